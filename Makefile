@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make bench` (the main job) and `make test`.
+# The local PyTorch is pinned here; pyproject.toml declares a range for users.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: bench test design lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e '.[train,dev]' $(TORCH_PIN)
+	touch $@
+
+bench: $(VENV)/.installed
+	$(BIN)/cerar bench
+
+design: $(VENV)/.installed
+	$(BIN)/cerar design
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check src tests
+
+test: $(VENV)/.installed
+	$(BIN)/ruff check src tests
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,39 @@
+"""cerar: coded approximate ring all-reduce (CERAR) for data-parallel training.
+
+The maths (:class:`Code`, :mod:`cerar.codes`, :func:`simulate`) imports numpy only; the
+collective (:func:`all_reduce`, :func:`ring_all_reduce`) and the DDP hook (:mod:`cerar.ddp`)
+load torch.distributed on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cerar import codes
+from cerar.code import Code
+from cerar.schedule import RankPlan, RoundStep, Schedule
+from cerar.simulate import SimulationResult, simulate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Code",
+    "RankPlan",
+    "RoundStep",
+    "Schedule",
+    "SimulationResult",
+    "all_reduce",
+    "codes",
+    "ring_all_reduce",
+    "simulate",
+]
+
+_LAZY = {"all_reduce": "cerar.collective", "ring_all_reduce": "cerar.collective"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'cerar' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from cerar.cli import main
+
+raise SystemExit(main())

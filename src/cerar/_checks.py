@@ -1,0 +1,54 @@
+"""Argument checks shared by every public entry point.
+
+Each check raises with a message that names the argument and the offending value, in the
+style "Argument 'components' must be at least 1, not 0.".
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """Return ``value`` as an ``int`` after checking it is a true integer (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"Argument '{name}' must be an integer, not {value!r}.")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"Argument '{name}' must be at least {minimum}, not {value}.")
+    return value
+
+
+def check_float(
+    name: str,
+    value: Any,
+    *,
+    positive: bool = False,
+    nonnegative: bool = False,
+    maximum: float | None = None,
+) -> float:
+    """Return ``value`` as a finite ``float``; reject bools, NaN and infinities."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"Argument '{name}' must be a real number, not {value!r}.")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"Argument '{name}' must be finite, not {value}.")
+    if positive and value <= 0:
+        raise ValueError(f"Argument '{name}' must be positive, not {value}.")
+    if nonnegative and value < 0:
+        raise ValueError(f"Argument '{name}' must be non-negative, not {value}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"Argument '{name}' must be at most {maximum}, not {value}.")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
+    """Return ``value`` after checking it is one of ``choices``."""
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"Argument '{name}' must be one of {listed}, not {value!r}.")
+    return value
