@@ -62,7 +62,9 @@ class Code:
         self.world_size = check_int("world_size", world_size, minimum=2)
         rows = np.array(rows, dtype=np.float64)
         if rows.ndim != 2 or rows.shape[1] < 1:
-            raise ValueError(f"Argument 'rows' must be a 2-d array with c >= 1 columns, not shape {rows.shape}.")
+            raise ValueError(
+                f"Argument 'rows' must be a 2-d array with c >= 1 columns, not shape {rows.shape}."
+            )
         self.components = rows.shape[1]
         expected = self.components + 2 * self.world_size - 3
         if rows.shape[0] != expected:
@@ -122,7 +124,7 @@ class Code:
         is_real = (angles == 0.0) | (angles == math.pi)
         c = int(np.sum(np.where(is_real, 1, 2)))
         n = np.arange(2 - world_size, c + world_size - 1, dtype=np.float64)
-        for r, theta, real in zip(radii, angles, is_real):
+        for r, theta, real in zip(radii, angles, is_real, strict=True):
             scale = r**n
             if real:
                 columns.append(scale * (1.0 if theta == 0.0 else (-1.0) ** n))
@@ -180,7 +182,7 @@ class Code:
             return None
         radii, angles = self._nodes
         out = []
-        for r, theta in zip(radii, angles):
+        for r, theta in zip(radii, angles, strict=True):
             z = r * np.exp(1j * theta)
             out.append(z)
             if 0.0 < theta < math.pi:
@@ -236,7 +238,14 @@ class Code:
     def error_scale(self, inputs: np.ndarray, rank: int) -> float:
         """``D_j`` of :attr:`error_bound` for these inputs (``(N, ...)`` array)."""
         j = self._check_rank(rank)
-        x = np.asarray(inputs, dtype=np.float64).reshape(self.world_size, -1)
+        x = np.asarray(inputs, dtype=np.float64)
+        if x.ndim < 1 or x.shape[0] != self.world_size:
+            # A bare reshape would silently accept any array whose size N divides.
+            raise ValueError(
+                f"Argument 'inputs' must be an (N, ...) array with N = world_size = {self.world_size}, "
+                f"not shape {x.shape}."
+            )
+        x = x.reshape(self.world_size, -1)
         others = np.delete(x, j, axis=0)
         if self.reference == "mixed":
             others = others - others.mean(axis=0, keepdims=True)
@@ -255,7 +264,8 @@ class Code:
     def predicted_error(self, precision: Any = "fp32", ranks: Sequence[int] | None = None) -> np.ndarray:
         """Per rank: the model's relative error on i.i.d. inputs with packets in ``precision``.
 
-        ``ranks`` limits the work to some ranks (default: all). The model adds, in quadrature, the exact-arithmetic error of i.i.d. inputs
+        ``ranks`` limits the work to some ranks (default: all). The model adds, in quadrature, the
+        exact-arithmetic error of i.i.d. inputs
         (``sqrt((|A| ||E_A||_F^2 + |B| ||E_B||_F^2) / (N c))``) and the packet rounding, each
         round's rounding taken as independent noise of variance ``u^2/3`` times the packet's
         energy, carried to the end and multiplied by ``W_j``.
@@ -390,7 +400,9 @@ class Code:
         return hash(self.fingerprint)
 
     def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v!r}" for k, v in self.params.items())
+        params = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v!r}" for k, v in self.params.items()
+        )
         params = f", {params}" if params else ""
         return (
             f"<Code {self.construction}(N={self.world_size}, c={self.components}{params}): "

@@ -16,7 +16,14 @@ from cerar._checks import check_float, check_int
 from cerar.code import Code, SingularCodeError
 from cerar.precision import precision_name
 
-__all__ = ["cluster_sizes", "exact", "perturbed", "vandermonde"]
+__all__ = [  # noqa: F822 (optimized and choose come from __getattr__)
+    "choose",
+    "cluster_sizes",
+    "exact",
+    "optimized",
+    "perturbed",
+    "vandermonde",
+]
 
 
 def cluster_sizes(world_size: int, components: int) -> list[int]:
@@ -139,7 +146,7 @@ def perturbed(
         radii,
         angles,
         construction="perturbed",
-        params={"delta": float(delta), "precision": precision},
+        params={"delta": float(delta) if clustered else 0.0, "precision": precision},
         reference=reference,
     )
 
@@ -225,3 +232,15 @@ def _best_parameter(
             fb = worst(b)
     candidates = [(values[best], grid[best]), (fa, a), (fb, b)]
     return float(math.exp(min(candidates)[1]))
+
+
+_LAZY = ("optimized", "choose")
+
+
+def __getattr__(name: str) -> Any:
+    # cerar.optimize imports this module, so its functions are fetched on first use.
+    if name in _LAZY:
+        from cerar import optimize
+
+        return getattr(optimize, name)
+    raise AttributeError(f"module 'cerar.codes' has no attribute {name!r}")

@@ -59,7 +59,9 @@ def system_weights(reference: str, size_a: int, size_b: int) -> tuple[float, flo
     return (1.0, 0.0) if size_a > 0 else (0.0, 1.0)
 
 
-def analyse_rows(m_a: np.ndarray, m_b: np.ndarray, reference: str, size_a: int, size_b: int, label: str) -> RankAnalysis:
+def analyse_rows(
+    m_a: np.ndarray, m_b: np.ndarray, reference: str, size_a: int, size_b: int, label: str
+) -> RankAnalysis:
     """The generic route, from the observation matrices."""
     alpha, beta = system_weights(reference, size_a, size_b)
     system = alpha * m_a + beta * m_b
@@ -132,12 +134,16 @@ def _scale_rows(matrix: np.ndarray, scale: np.ndarray, is_real: np.ndarray) -> n
 
 def _inverse(system: np.ndarray, label: str) -> np.ndarray:
     try:
-        w = np.linalg.inv(system)
+        # W is applied from the left (W O = W M S), so it is the left residual W M - I that
+        # must be small. LU inversion only makes the right residual small; inverting the
+        # transpose swaps the two. For the clustered codes this is 1e-9 against up to 0.2.
+        w = np.linalg.inv(system.T).T
     except np.linalg.LinAlgError:
         raise SingularCodeError(f"{label}: the observation system is singular") from None
     cond_1 = np.linalg.norm(system, 1) * np.linalg.norm(w, 1)
     if not math.isfinite(cond_1) or cond_1 > SINGULAR_COND:
         raise SingularCodeError(f"{label}: the observation system is singular to float64 (cond_1 = {cond_1:.3g})")
+    w = np.ascontiguousarray(w)
     w.setflags(write=False)
     return w
 

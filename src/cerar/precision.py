@@ -42,14 +42,16 @@ def precision_name(value: Any, name: str = "precision") -> str:
     if isinstance(value, str):
         key = _ALIASES.get(value, value)
         return check_choice(name, key, PRECISIONS)
-    text = str(value)  # torch.float32 -> "torch.float32"; np.float32 -> "<class 'numpy.float32'>"
-    for alias, canonical in _ALIASES.items():
-        if text.endswith(alias) or text.endswith(alias + "'>"):
-            return canonical
-    try:
-        key = np.dtype(value).name
-    except TypeError:
-        key = None
+    text = str(value)  # torch.float32 -> "torch.float32", torch.bfloat16 -> "torch.bfloat16"
+    key: str | None = None
+    if text.startswith("torch."):
+        # Match the whole name: a suffix test would read torch.bfloat16 as "float16".
+        key = text[len("torch.") :]
+    elif value is not None:  # np.dtype(None) is float64: do not accept None silently
+        try:
+            key = np.dtype(value).name  # numpy dtypes and scalar types, Python's float (float64)
+        except TypeError:
+            key = None
     if key in _ALIASES:
         return _ALIASES[key]
     raise ValueError(
@@ -75,5 +77,7 @@ def rounder(precision: str) -> Callable[[np.ndarray], np.ndarray]:
     if precision == "fp32":
         return lambda x: np.asarray(x, dtype=np.float32)
     if precision == "fp16":
-        return lambda x: np.asarray(x, dtype=np.float16).astype(np.float32)
+        # Through float32, as torch's cast from float64 does (numpy's direct cast rounds once and
+        # differs from torch in about 1 value in 10^4).
+        return lambda x: np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
     return lambda x: _round_bf16(np.asarray(x, dtype=np.float32))

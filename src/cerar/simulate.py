@@ -71,7 +71,9 @@ def stack_inputs(inputs: Any, world_size: int, name: str = "inputs") -> np.ndarr
     elif isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
         rows = list(inputs)
     else:
-        raise TypeError(f"Argument '{name}' must be N arrays or an (N, d) array, not {type(inputs).__name__}.")
+        raise TypeError(
+            f"Argument '{name}' must be N arrays or an (N, d) array, not {type(inputs).__name__}."
+        )
     if len(rows) != world_size:
         raise ValueError(f"Argument '{name}' must hold world_size={world_size} inputs, not {len(rows)}.")
     arrays = [_as_float64(row, name) for row in rows]
