@@ -13,6 +13,7 @@ import torch.distributed as dist
 import cerar
 from cerar import codes
 from cerar.precision import UNIT_ROUNDOFF
+from cerar.simulate_ring import simulate_ring
 from cerar.stats import CommStats
 from multirank import RankFailure, check, run_ranks
 
@@ -248,16 +249,21 @@ def test_dead_or_stuck_peer_makes_survivors_raise(fault: str) -> None:
         assert "ring round" in failure.message
 
 
-def _sixteen_bit_worker(rank: int, world: int, wire: torch.dtype, magnitude: float) -> tuple[float, int, float]:
+def _sixteen_bit_worker(
+    rank: int, world: int, wire: torch.dtype, magnitude: float
+) -> tuple[float, int, float, float]:
     d = 20_011
     x = magnitude * torch.randn(d, generator=torch.Generator().manual_seed(rank))
+    inputs = _gather(x)
     exact = x.clone().double()
     dist.all_reduce(exact)
     stats = CommStats()
     cerar.ring_all_reduce(x, wire_dtype=wire, stats=stats)
     everyone = _gather(x)
     identical = float((everyone - everyone[0]).abs().max())
-    return float((x.double() - exact).norm() / exact.norm()), stats.bytes_sent, identical
+    simulated = simulate_ring(inputs, wire_dtype=wire).outputs[rank]
+    from_simulator = float(np.abs(simulated - x.double().numpy()).max())
+    return float((x.double() - exact).norm() / exact.norm()), stats.bytes_sent, identical, from_simulator
 
 
 @pytest.mark.parametrize(
@@ -266,10 +272,11 @@ def _sixteen_bit_worker(rank: int, world: int, wire: torch.dtype, magnitude: flo
 def test_sixteen_bit_rings(wire: torch.dtype, magnitude: float) -> None:
     world = 4
     u = UNIT_ROUNDOFF["fp16" if wire == torch.float16 else "bf16"]
-    for err, sent, identical in check(run_ranks(_sixteen_bit_worker, world, wire, magnitude, timeout=60)):
+    for err, sent, identical, from_simulator in check(run_ranks(_sixteen_bit_worker, world, wire, magnitude, timeout=60)):
         assert err < 4 * u * math.sqrt(world)  # one rounding per hop, no overflow, no underflow
         assert sent == 2 * (world - 1) * math.ceil(20_011 / world) * 2
-        assert identical == 0.0
+        assert identical == 0.0  # every rank ends with the same values
+        assert from_simulator == 0.0  # simulate_ring is the transport, step for step
 
 
 def _bad_argument_worker(rank: int, world: int) -> list[str]:

@@ -13,11 +13,16 @@ from cerar import codes
 from cerar.code import Code
 from cerar.schedule import RankPlan, RoundStep, Schedule
 from cerar.simulate import SimulationResult, simulate
+from cerar.simulate_ring import simulate_ring
+from cerar.stats import CommStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Code",
+    "CommStats",
+    "NonFiniteError",
+    "SettingsMismatchError",
     "RankPlan",
     "RoundStep",
     "Schedule",
@@ -26,9 +31,13 @@ __all__ = [
     "codes",
     "ring_all_reduce",
     "simulate",
+    "simulate_ring",
 ]
 
-_LAZY = {"all_reduce": "cerar.collective", "ring_all_reduce": "cerar.collective"}
+_LAZY = {
+    name: "cerar.collective"
+    for name in ("all_reduce", "ring_all_reduce", "NonFiniteError", "SettingsMismatchError")
+}
 
 
 def __getattr__(name: str) -> Any:

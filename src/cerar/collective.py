@@ -35,11 +35,11 @@ import torch.distributed as dist
 from cerar import codes
 from cerar._checks import check_choice
 from cerar.code import Code
+from cerar.precision import float16_scale
 from cerar.stats import CommStats
 from cerar.transport import Ring, run_cerar, run_ring
 
 NONFINITE_POLICIES = ("raise", "exact", "ignore")
-_FLOAT16_HEADROOM_EXPONENT = 14  # partial sums stay below 2**14, far from float16's 65504
 
 
 class NonFiniteError(ValueError):
@@ -293,9 +293,8 @@ def _ring_call(
             needs_scale = wire == torch.float16
             agreed = _agree(ring, identity, summary, flat, check_finite=needs_scale, want_max=needs_scale)
             scale = 1.0
-            if needs_scale and not agreed.nonfinite_ranks and agreed.max_abs > 0:
-                exponent = math.ceil(math.log2(ring.size * agreed.max_abs)) - _FLOAT16_HEADROOM_EXPONENT
-                scale = math.ldexp(1.0, exponent)
+            if needs_scale and not agreed.nonfinite_ranks:
+                scale = float16_scale(ring.size, agreed.max_abs)
             run_ring(flat, ring, call, wire_dtype=wire_dtype, scale=scale)
             if op == "avg":
                 flat.div_(ring.size)

@@ -8,8 +8,9 @@ Two algorithms share one :class:`Ring` (who sends to whom, in group-local order)
   rounds land directly in the observation buffer; one decode at the end.
 * :func:`run_ring` is the exact reduce-scatter + all-gather ring, optionally with a 16-bit wire.
 
-Increments are computed in blocks of rounds by one matrix product per block on a helper thread,
-overlapped with the transfers, so each round's critical path is one add and one send.
+Increments are computed in blocks of rounds, one matrix product per block, while a round's
+transfer is in flight (Gloo and NCCL progress transfers on their own threads), so each round's
+critical path is one add and one send.
 Device-agnostic: the tensors' device is used throughout (CPU on Gloo, CUDA on NCCL).
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,6 @@ from cerar.code import Code
 from cerar.schedule import Schedule
 from cerar.stats import CommStats
 
-_ENCODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cerar-encode")
 _DECODE_CHUNK = 1 << 15  # columns per float64 decode chunk: bounds the temporary memory
 
 
@@ -167,52 +166,50 @@ def run_cerar(flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats) -> t
         padded[d:].zero_()
     own = padded.view(c, m)
 
+    # Round 1's increment is computed alone (it is on the critical path); later rounds come in
+    # blocks, each computed while the first round of the previous block is on the wire, into
+    # one of two alternating buffers (the other still feeds the rounds in flight).
     block = encode_block_size(n_ranks, rounds)
-    starts = list(range(0, rounds, block))
-    encode_times: list[float] = []
+    bounds = [(0, 1)] + [(s, min(s + block, rounds)) for s in range(1, rounds, block)]
+    buffers = [WORKSPACE.get(f"increments{i}", (block, m), dtype, device) for i in range(2)]
+    encode_s = 0.0
 
-    # Two block buffers alternate: block k+2 is computed into the buffer block k has released.
-    block_buffers = [WORKSPACE.get(f"increments{i}", (block, m), dtype, device) for i in range(2)]
-
-    def encode(start: int) -> torch.Tensor:
+    def encode(k: int) -> torch.Tensor:
+        nonlocal encode_s
         began = time.perf_counter()
-        rows = plan.increments[start : start + block]
-        out = block_buffers[(start // block) % 2][: rows.shape[0]]
-        torch.mm(rows, own, out=out)  # into a kept buffer: a fresh one costs page faults
-        encode_times.append(time.perf_counter() - began)
+        start, stop = bounds[k]
+        out = buffers[k % 2][: stop - start]
+        torch.mm(plan.increments[start:stop], own, out=out)  # into a kept buffer: no page faults
+        encode_s += time.perf_counter() - began
         return out
-
-    pending: dict[int, Future[torch.Tensor]] = {}
-    for k in starts[:2]:
-        pending[k] = _ENCODER.submit(encode, k)
 
     observations = WORKSPACE.get("observations", (c, m), dtype, device)
     scratch = WORKSPACE.get("scratch", (m,), dtype, device)  # receives before the first observation
     send = WORKSPACE.get("send", (m,), dtype, device)
+    blocks = {0: encode(0)}
     received: torch.Tensor | None = None
-    current: torch.Tensor | None = None
+    k = 0
     for t in range(1, rounds + 1):
-        offset = (t - 1) % block
-        if offset == 0:
-            start = t - 1
-            current = pending.pop(start).result()
-        assert current is not None
+        if t - 1 >= bounds[k][1]:
+            blocks.pop(k)
+            k += 1
+        offset = t - 1 - bounds[k][0]
+        increment = blocks[k][offset]
         if received is None:
-            send.copy_(current[offset])
+            send.copy_(increment)
         else:
-            torch.add(received, current[offset], out=send)
-        if offset == block - 1 or t == rounds:
-            following = t - 1 - offset + 2 * block
-            if following < rounds:  # this block's buffer is free again
-                pending[following] = _ENCODER.submit(encode, following)
+            torch.add(received, increment, out=send)
         slot = t - plan.first_observed_round
         target = observations[slot] if slot >= 0 else scratch
-        _finish(_start(ring, send, target, stats), ring, t)
+        works = _start(ring, send, target, stats)
+        if offset == 0 and k + 1 < len(bounds):
+            blocks[k + 1] = encode(k + 1)  # overlaps this round's transfer
+        _finish(works, ring, t)
         received = target
     began = time.perf_counter()
     _decode_into(own, observations, plan)
     stats.decode_s += time.perf_counter() - began
-    stats.encode_s += sum(encode_times)
+    stats.encode_s += encode_s
     stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
     if padded is not flat:
         flat.copy_(padded[:d])
