@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from cerar import seam
 from cerar._checks import check_choice, check_int
-from cerar.decoders import RankAnalysis, SingularCodeError, analyse_nodes, analyse_rows, krylov_inverse
+from cerar.decoders import RankAnalysis, SingularCodeError, Sources, analyse_nodes, analyse_rows, krylov_inverse
 from cerar.precision import UNIT_ROUNDOFF, precision_name
 
 REFERENCES: tuple[str, ...] = ("mixed", "A")
@@ -47,6 +48,8 @@ class Code:
         params: the construction's parameters (JSON-serialisable), for ``repr`` and JSON.
         reference: the decoder: ``"mixed"`` (default; exact on the part all ranks share) or
             ``"A"`` (``W_j = M_A^-1``; rank 0 uses ``M_B^-1`` as it has no unwrapped peers).
+        spread_seam: encode rank ``i``'s input as ``Z^i X_i`` (see :mod:`cerar.seam`); needs a
+            code built from nodes and the mixed decoder. Costs nothing at run time.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class Code:
         construction: str = "custom",
         params: Mapping[str, Any] | None = None,
         reference: str = "mixed",
+        spread_seam: bool = False,
         _nodes: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=2)
@@ -80,6 +84,16 @@ class Code:
         self.params: dict[str, Any] = dict(params or {})
         self.reference = check_choice("reference", reference, REFERENCES)
         self._nodes = _nodes
+        if not isinstance(spread_seam, bool):
+            raise TypeError(f"Argument 'spread_seam' must be a bool, not {spread_seam!r}.")
+        self.spread_seam = spread_seam
+        self._offsets: np.ndarray | None = None
+        if spread_seam:
+            if _nodes is None:
+                raise ValueError("Argument 'spread_seam' needs a code built from nodes (Code.from_nodes), not rows.")
+            if self.reference != "mixed":
+                raise ValueError(f"Argument 'reference' must be 'mixed' when spread_seam=True, not {reference!r}.")
+            self._offsets = seam.seam_offsets(*self._complex_nodes(), self.world_size)
         self._cache: dict[int, RankAnalysis] = {}
         self._vinv: np.ndarray | None = None
         self._cond: np.ndarray | None = None
@@ -98,6 +112,7 @@ class Code:
         construction: str = "nodes",
         params: Mapping[str, Any] | None = None,
         reference: str = "mixed",
+        spread_seam: bool = False,
     ) -> Code:
         """Build ``F(n) = u^T Q^n`` from the eigenvalues of ``Q``, given one per conjugate pair.
 
@@ -138,6 +153,7 @@ class Code:
             construction=construction,
             params=params,
             reference=reference,
+            spread_seam=spread_seam,
             _nodes=(radii, angles),
         )
 
@@ -252,7 +268,10 @@ class Code:
         return float(np.linalg.norm(others))
 
     def wrap_errors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(E_A, E_B) = (W M_A - I, W M_B - I)``: the error is ``E_A S_A + E_B S_B``."""
+        """``(E_A, E_B) = (W M_A - I, W M_B - I)``: the error is ``E_A S_A + E_B S_B``.
+        For a code that spreads its seam the error differs per source: see :meth:`source_errors`."""
+        if self.spread_seam:
+            raise ValueError(f"{self!r} spreads its seam: use source_errors(rank), not wrap_errors.")
         j = self._check_rank(rank)
         w = self.decoder(j)
         m_a, m_b = self.observation_matrices(j)
@@ -261,12 +280,30 @@ class Code:
         e_b = w @ m_b - eye if j < self.world_size - 1 else np.zeros_like(eye)
         return e_a, e_b
 
+    def input_transform(self, rank: int) -> np.ndarray:
+        """``T_i``: rank ``i`` encodes ``T_i X_i`` (the identity unless the seam is spread)."""
+        i = self._check_rank(rank)
+        if self._offsets is None:
+            return np.eye(self.components)
+        return seam.transform(self._offsets, self._complex_nodes()[1], i)
+
+    def source_errors(self, rank: int) -> dict[int, np.ndarray]:
+        """``E_i = W_j G_i - I`` for every other rank ``i``, from explicit matrices: rank
+        ``rank``'s decoded sum is ``S + sum_i E_i X_i`` in exact arithmetic."""
+        j = self._check_rank(rank)
+        w = self.decoder(j)
+        m_a, m_b = self.observation_matrices(j)
+        eye = np.eye(self.components)
+        return {
+            i: w @ (m_a if i < j else m_b) @ self.input_transform(i) - eye for i in range(self.world_size) if i != j
+        }
+
     def predicted_error(self, precision: Any = "fp32", ranks: Sequence[int] | None = None) -> np.ndarray:
         """Per rank: the model's relative error on i.i.d. inputs with packets in ``precision``.
 
         ``ranks`` limits the work to some ranks (default: all). The model adds, in quadrature, the
-        exact-arithmetic error of i.i.d. inputs
-        (``sqrt((|A| ||E_A||_F^2 + |B| ||E_B||_F^2) / (N c))``) and the packet rounding, each
+        exact-arithmetic error of i.i.d. inputs (``sqrt(sum_i ||E_i||_F^2 / (N c))``, see
+        :meth:`source_errors`) and the packet rounding, each
         round's rounding taken as independent noise of variance ``u^2/3`` times the packet's
         energy, carried to the end and multiplied by ``W_j``.
         """
@@ -281,7 +318,7 @@ class Code:
     def _predicted(self, j: int, u: float) -> float:
         n_ranks, c = self.world_size, self.components
         analysis = self._analysis(j)
-        exact_sq = (analysis.size_a * analysis.fro2_a + analysis.size_b * analysis.fro2_b) / (n_ranks * c)
+        exact_sq = analysis.wrap_fro2 / (n_ranks * c)
         energy = self._mean_row_energy
         rounds = np.arange(1, self.rounds + 1)
         per_round = energy * (np.minimum(rounds, n_ranks) + 1) * u * u / 3.0
@@ -298,16 +335,33 @@ class Code:
 
     def _analysis(self, j: int) -> RankAnalysis:
         if j not in self._cache:
-            label = f"{self!r} on rank {j}"
-            size_a, size_b = j, self.world_size - 1 - j
+            sources = self._sources(j)
             if self._nodes is not None:
+                nodes, is_real = self._complex_nodes()
+                if self._offsets is not None:
+                    multipliers = [self._offsets ** e for e in seam.exponents(self.world_size, j)]
+                else:
+                    multipliers = [np.ones_like(nodes), nodes ** (-self.world_size)]
+                    multipliers = [m for m, n in zip(multipliers, (j, self.world_size - 1 - j), strict=True) if n]
                 self._cache[j] = analyse_nodes(
-                    self._krylov_inverse(), *self._complex_nodes(), self.world_size, j, self.reference
+                    self._krylov_inverse(), nodes, is_real, self.world_size, j, multipliers, sources
                 )
             else:
                 m_a, m_b = self.observation_matrices(j)
-                self._cache[j] = analyse_rows(m_a, m_b, self.reference, size_a, size_b, label)
+                views = [m for m, n in zip((m_a, m_b), (j, self.world_size - 1 - j), strict=True) if n]
+                self._cache[j] = analyse_rows(views, sources, f"{self!r} on rank {j}")
         return self._cache[j]
+
+    def _sources(self, j: int) -> Sources:
+        n_ranks = self.world_size
+        if self._offsets is not None:
+            return Sources(counts=(1,) * (n_ranks - 1), weights=(1 / (n_ranks - 1),) * (n_ranks - 1))
+        counts = tuple(n for n in (j, n_ranks - 1 - j) if n)
+        if self.reference == "mixed":
+            weights = tuple(n / (n_ranks - 1) for n in counts)
+        else:  # reference A: the unwrapped side, or the wrapped one on rank 0
+            weights = (1.0,) + (0.0,) * (len(counts) - 1)
+        return Sources(counts=counts, weights=weights)
 
     def _complex_nodes(self) -> tuple[np.ndarray, np.ndarray]:
         assert self._nodes is not None
@@ -332,6 +386,7 @@ class Code:
             construction=self.construction,
             params=self.params,
             reference=reference,
+            spread_seam=self.spread_seam and reference == "mixed",
             _nodes=self._nodes,
         )
 
@@ -345,6 +400,8 @@ class Code:
             "params": self.params,
             "reference": self.reference,
         }
+        if self.spread_seam:
+            out["spread_seam"] = True
         if self._nodes is not None:
             out["nodes"] = {"radius": self._nodes[0].tolist(), "angle": self._nodes[1].tolist()}
         else:
@@ -367,7 +424,13 @@ class Code:
         }
         if "nodes" in data:
             nodes = data["nodes"]
-            code = cls.from_nodes(data["world_size"], nodes["radius"], nodes["angle"], **common)
+            code = cls.from_nodes(
+                data["world_size"],
+                nodes["radius"],
+                nodes["angle"],
+                spread_seam=bool(data.get("spread_seam", False)),
+                **common,
+            )
         else:
             code = cls(data["world_size"], np.array(data["rows"]), **common)
         if code.components != data.get("components"):
@@ -407,5 +470,5 @@ class Code:
         return (
             f"<Code {self.construction}(N={self.world_size}, c={self.components}{params}): "
             f"L={self.rounds}, comm_rate={self.comm_rate:.3f} vs ring {self.ring_comm_rate:.3f}, "
-            f"decoder={self.reference}>"
+            f"decoder={self.reference}{', seam spread' if self.spread_seam else ''}>"
         )

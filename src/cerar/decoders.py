@@ -1,13 +1,15 @@
 """Per-rank decoders of a :class:`cerar.Code` and their exact-arithmetic error.
 
-Two routes give the same numbers:
+Rank ``j`` observes ``O_j = sum_{i != j} G_i X_i``: ``G_i = M_A T_i`` for ``i < j`` and
+``M_B T_i`` for ``i > j``, with ``T_i`` rank ``i``'s input transform (the identity unless the
+code spreads its seam). Two routes give the same numbers:
 
-* the generic route works from the row table alone: ``W_j`` is the inverse of the rank's
-  observation system and ``E_A = W M_A - I``, ``E_B = W M_B - I``;
+* the generic route works from explicit matrices: ``W_j`` inverts a weighted mean of the
+  ``G_i`` and ``E_i = W_j G_i - I``;
 * the node route, for codes ``F(n) = u^T Q^n`` given by their nodes, uses ``M_A = V Q^(N-j)``
-  and ``M_B = M_A Q^-N`` (``V`` the Krylov rows ``F(0..c-1)``): ``E_A`` and ``E_B`` are then
-  block diagonal with one scalar per node, and ``W_j`` is a block scaling of ``V^-1``, so one
-  inverse serves all ranks. It makes codes up to ``N = 64, c = 256`` cheap to build and check.
+  and ``M_B = M_A Q^-N`` (``V`` the Krylov rows ``F(0..c-1)``): every ``E_i`` is then block
+  diagonal with one scalar per node, and ``W_j`` is a block scaling of ``V^-1``, so one inverse
+  serves all ranks. It makes codes up to ``N = 64, c = 256`` cheap to build and check.
 
 Pure numpy: never imports torch.
 """
@@ -28,56 +30,42 @@ class SingularCodeError(ValueError):
 
 @dataclass(frozen=True)
 class RankAnalysis:
-    """Decoder of one rank and the norms of its wrap errors.
+    """Decoder of one rank and the size of its exact-arithmetic error.
 
     Attributes:
         decoder: ``W_j`` (``c x c``).
-        norm_a, norm_b: 2-norms of ``E_A`` and ``E_B``.
-        fro2_a, fro2_b: squared Frobenius norms of ``E_A`` and ``E_B``.
-        size_a, size_b: ``|A| = j`` and ``|B| = N-1-j``.
+        error_bound: ``sqrt(sum_i ||E_i||_2^2)``: see :attr:`cerar.Code.error_bound`.
+        wrap_fro2: ``sum_i ||E_i||_F^2``: the exact-arithmetic error energy on i.i.d. inputs.
     """
 
     decoder: np.ndarray
-    norm_a: float
-    norm_b: float
-    fro2_a: float
-    fro2_b: float
-    size_a: int
-    size_b: int
-
-    @property
-    def error_bound(self) -> float:
-        """``sqrt(|A| ||E_A||^2 + |B| ||E_B||^2)``: see :attr:`cerar.Code.error_bound`."""
-        return math.sqrt(self.size_a * self.norm_a**2 + self.size_b * self.norm_b**2)
+    error_bound: float
+    wrap_fro2: float
 
 
-def system_weights(reference: str, size_a: int, size_b: int) -> tuple[float, float]:
-    """``(alpha, beta)`` with ``W_j^-1 = alpha M_A + beta M_B``."""
-    if reference == "mixed":
-        total = size_a + size_b
-        return size_a / total, size_b / total
-    return (1.0, 0.0) if size_a > 0 else (0.0, 1.0)
+@dataclass(frozen=True)
+class Sources:
+    """How one rank sees the others, in groups that share one view ``G_g``.
+
+    ``counts[g]`` ranks are seen through group ``g``; the decoder inverts
+    ``sum_g weights[g] G_g`` (weights ``counts / (N-1)`` for the mixed reference).
+    """
+
+    counts: tuple[int, ...]
+    weights: tuple[float, ...]
 
 
-def analyse_rows(
-    m_a: np.ndarray, m_b: np.ndarray, reference: str, size_a: int, size_b: int, label: str
-) -> RankAnalysis:
-    """The generic route, from the observation matrices."""
-    alpha, beta = system_weights(reference, size_a, size_b)
-    system = alpha * m_a + beta * m_b
-    w = _inverse(system, label)
-    eye = np.eye(system.shape[0])
-    e_a = w @ m_a - eye if size_a else np.zeros_like(eye)
-    e_b = w @ m_b - eye if size_b else np.zeros_like(eye)
-    return RankAnalysis(
-        decoder=w,
-        norm_a=float(np.linalg.norm(e_a, 2)) if size_a else 0.0,
-        norm_b=float(np.linalg.norm(e_b, 2)) if size_b else 0.0,
-        fro2_a=float(np.sum(e_a**2)),
-        fro2_b=float(np.sum(e_b**2)),
-        size_a=size_a,
-        size_b=size_b,
-    )
+def analyse_rows(views: list[np.ndarray], sources: Sources, label: str) -> RankAnalysis:
+    """The generic route: ``views[g]`` is ``G_g`` as an explicit matrix."""
+    system = sum(w * g for w, g in zip(sources.weights, views, strict=True))
+    w = _inverse(np.asarray(system), label)
+    eye = np.eye(w.shape[0])
+    bound_sq = fro2 = 0.0
+    for g, count in zip(views, sources.counts, strict=True):
+        e = w @ g - eye
+        bound_sq += count * float(np.linalg.norm(e, 2)) ** 2
+        fro2 += count * float(np.sum(e**2))
+    return RankAnalysis(decoder=w, error_bound=math.sqrt(bound_sq), wrap_fro2=fro2)
 
 
 def analyse_nodes(
@@ -86,30 +74,26 @@ def analyse_nodes(
     is_real: np.ndarray,
     world_size: int,
     rank: int,
-    reference: str,
+    multipliers: list[np.ndarray],
+    sources: Sources,
 ) -> RankAnalysis:
     """The node route. ``nodes`` holds one complex node per real node or conjugate pair, in the
-    column order of the rows; ``krylov_inverse`` is ``V^-1``."""
-    size_a, size_b = rank, world_size - 1 - rank
-    alpha, beta = system_weights(reference, size_a, size_b)
-    wrap = nodes ** (-world_size)  # Q^-N
-    mix = alpha + beta * wrap
+    column order of the rows; ``krylov_inverse`` is ``V^-1``. Every view is ``M_A`` times a
+    block-diagonal matrix, ``G_g = V Q^(N-j) diag(multipliers[g])`` (one complex scalar per
+    node), so ``W_j = diag(mix)^-1 Q^(j-N) V^-1`` and ``E_g = diag(multipliers[g] / mix) - I``."""
+    mix = np.asarray(sum(w * m for w, m in zip(sources.weights, multipliers, strict=True)), dtype=np.complex128)
     if np.any(np.abs(mix) < 1e-14):
-        raise SingularCodeError(f"rank {rank}: alpha + beta z^-N vanishes at a node")
-    # W_j = (alpha I + beta Q^-N)^-1 Q^(j-N) V^-1 for j > 0, Q^j V^-1 for reference A at j = 0.
-    shift = nodes ** (rank - world_size) if size_a else nodes ** rank * wrap
-    scale = shift / mix
-    e_a = 1.0 / mix - 1.0
-    e_b = wrap / mix - 1.0
+        raise SingularCodeError(f"rank {rank}: the decoder's mixing vanishes at a node")
     multiplicity = np.where(is_real, 1.0, 2.0)
+    bound_sq = fro2 = 0.0
+    for mult, count in zip(multipliers, sources.counts, strict=True):
+        e = np.abs(mult / mix - 1.0)
+        bound_sq += count * float(np.max(e)) ** 2
+        fro2 += count * float(np.sum(multiplicity * e**2))
     return RankAnalysis(
-        decoder=_scale_rows(krylov_inverse, scale, is_real),
-        norm_a=float(np.max(np.abs(e_a))) if size_a else 0.0,
-        norm_b=float(np.max(np.abs(e_b))) if size_b else 0.0,
-        fro2_a=float(np.sum(multiplicity * np.abs(e_a) ** 2)) if size_a else 0.0,
-        fro2_b=float(np.sum(multiplicity * np.abs(e_b) ** 2)) if size_b else 0.0,
-        size_a=size_a,
-        size_b=size_b,
+        decoder=_scale_rows(krylov_inverse, nodes ** (rank - world_size) / mix, is_real),
+        error_bound=math.sqrt(bound_sq),
+        wrap_fro2=fro2,
     )
 
 

@@ -96,6 +96,10 @@ class Schedule:
                 increments[k] -= code.F(step.remove)
             if step.slot is not None and step.slot_remove is not None:
                 correction[step.slot] = code.F(step.slot_remove)
+        # A code that spreads its seam injects F(n) T X instead of F(n) X: fold T in here.
+        transform = code.input_transform(rank)
+        increments = increments @ transform
+        correction = correction @ transform
         w = code.decoder(rank)
         # S_hat = X + W (R - C X) = (I - W C) X + W R: one product with the stacked [X; R].
         decode = np.concatenate([np.eye(c) - w @ correction, w], axis=1)
