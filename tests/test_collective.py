@@ -272,7 +272,8 @@ def _sixteen_bit_worker(
 def test_sixteen_bit_rings(wire: torch.dtype, magnitude: float) -> None:
     world = 4
     u = UNIT_ROUNDOFF["fp16" if wire == torch.float16 else "bf16"]
-    for err, sent, identical, from_simulator in check(run_ranks(_sixteen_bit_worker, world, wire, magnitude, timeout=60)):
+    results = check(run_ranks(_sixteen_bit_worker, world, wire, magnitude, timeout=60))
+    for err, sent, identical, from_simulator in results:
         assert err < 4 * u * math.sqrt(world)  # one rounding per hop, no overflow, no underflow
         assert sent == 2 * (world - 1) * math.ceil(20_011 / world) * 2
         assert identical == 0.0  # every rank ends with the same values

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import queue
 import threading
 import time
