@@ -218,16 +218,16 @@ def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
     import cerar.transport as transport
 
     if rank == 2:
-        original = transport._finish
+        original = transport._wait
 
-        def faulty(works: list[dist.Work], ring: transport.Ring, round: int) -> None:
+        def faulty(work: dist.Work, ring: transport.Ring, round: int) -> None:
             if round == 3:  # mid-call, after two rounds
                 if fault == "stuck":
                     time.sleep(12)
                 os._exit(3)
-            original(works, ring, round)
+            original(work, ring, round)
 
-        transport._finish = faulty
+        transport._wait = faulty
     x = torch.randn(100_000)
     started = time.monotonic()
     try:

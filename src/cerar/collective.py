@@ -33,10 +33,11 @@ import torch.distributed as dist
 
 from cerar import codes
 from cerar._checks import check_choice
+from cerar.algorithms import run_cerar, run_ring
 from cerar.code import Code
 from cerar.precision import float16_scale
 from cerar.stats import CommStats
-from cerar.transport import Ring, run_cerar, run_ring
+from cerar.transport import Ring
 
 NONFINITE_POLICIES = ("raise", "exact", "ignore")
 

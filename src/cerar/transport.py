@@ -1,33 +1,25 @@
-"""The ring over torch.distributed point-to-point ops, executing the core's schedule.
+"""The ring over torch.distributed point-to-point ops: who talks to whom, scratch memory, and a
+pipelined round engine that both algorithms of :mod:`cerar.algorithms` run on.
 
-Two algorithms share one :class:`Ring` (who sends to whom, in group-local order) and one
-``exchange`` step (receive posted first, then send, as Gloo needs):
-
-* :func:`run_cerar` executes a :class:`cerar.schedule.RankPlan`: each round adds the precomputed
-  increment to the packet received last round and sends it on; packets of the observation
-  rounds land directly in the observation buffer; one decode at the end.
-* :func:`run_ring` is the exact reduce-scatter + all-gather ring, optionally with a 16-bit wire.
-
-Increments are computed in blocks of rounds, one matrix product per block, while a round's
-transfer is in flight (Gloo and NCCL progress transfers on their own threads), so each round's
-critical path is one add and one send.
-Device-agnostic: the tensors' device is used throughout (CPU on Gloo, CUDA on NCCL).
+Every round of a ring algorithm sends one packet to the next rank and receives one from the
+previous; round ``t+1``'s packet depends on round ``t``'s only column by column. :func:`run_rounds`
+therefore cuts each packet into column segments and keeps the link busy: segment ``s`` of round
+``t+1`` is prepared and posted as soon as segment ``s`` of round ``t`` has arrived, while the
+other segments are still on the wire. Receives are posted before sends (Gloo's send waits for
+the peer's receive). Device-agnostic: CPU tensors on Gloo, CUDA tensors on NCCL.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from cerar.code import Code
-from cerar.schedule import Schedule
 from cerar.stats import CommStats
-
-_DECODE_CHUNK = 1 << 15  # columns per float64 decode chunk: bounds the temporary memory
 
 
 class Workspace:
@@ -86,25 +78,13 @@ class Ring:
         return cls(group, rank, size, to_global((rank + 1) % size), to_global((rank - 1) % size))
 
 
-def _start(ring: Ring, send: torch.Tensor, recv: torch.Tensor, stats: CommStats) -> list[dist.Work]:
-    ops = [
-        dist.P2POp(dist.irecv, recv, ring.recv_from, ring.group),
-        dist.P2POp(dist.isend, send, ring.send_to, ring.group),
-    ]
-    stats.bytes_sent += send.numel() * send.element_size()
-    stats.bytes_received += recv.numel() * recv.element_size()
-    stats.rounds += 1
-    return dist.batch_isend_irecv(ops)
-
-
 class RingError(RuntimeError):
     """A ring transfer failed: a neighbour died, stalled past the timeout, or closed."""
 
 
-def _finish(works: list[dist.Work], ring: Ring, round: int) -> None:
+def _wait(work: dist.Work, ring: Ring, round: int) -> None:
     try:
-        for work in works:
-            work.wait()
+        work.wait()
     except RuntimeError as exc:
         raise RingError(
             f"cerar: ring round {round} failed on group rank {ring.rank} (receiving from global "
@@ -113,177 +93,64 @@ def _finish(works: list[dist.Work], ring: Ring, round: int) -> None:
         ) from exc
 
 
-# ---------------------------------------------------------------------------------------------
-# CERAR
+_SEGMENT_BYTES = 512 * 1024
+_MAX_SEGMENTS = 8
 
 
-@dataclass(frozen=True)
-class _TorchPlan:
-    increments: torch.Tensor  # (L, c), packet dtype
-    decode_own: torch.Tensor  # (c, c), float64
-    decode_obs: torch.Tensor  # (c, c), float64
-    first_observed_round: int
+def segments(values: int, itemsize: int) -> list[tuple[int, int]]:
+    """Column ranges ``[a, b)`` that cut a packet of ``values`` values into pieces of about
+    512 KiB (at most 8): enough pieces to keep the link busy between rounds, few enough that
+    per-message overhead stays small."""
+    count = max(1, min(_MAX_SEGMENTS, (values * itemsize) // _SEGMENT_BYTES))
+    edges = [round(values * k / count) for k in range(count + 1)]
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
 
 
-_PLANS: dict[tuple[str, int, torch.dtype, str], _TorchPlan] = {}
+Segment = Callable[[int, int, int], torch.Tensor]
 
 
-def _torch_plan(code: Code, rank: int, dtype: torch.dtype, device: torch.device) -> _TorchPlan:
-    key = (code.fingerprint, rank, dtype, str(device))
-    if key not in _PLANS:
-        plan = Schedule.for_code(code).plan(code, rank)
-        c = code.components
-        decode = torch.from_numpy(plan.decode).to(device=device, dtype=torch.float64)
-        _PLANS[key] = _TorchPlan(
-            increments=torch.from_numpy(plan.increments).to(device=device, dtype=dtype),
-            decode_own=decode[:, :c].contiguous(),
-            decode_obs=decode[:, c:].contiguous(),
-            first_observed_round=plan.first_observed_round,
-        )
-    return _PLANS[key]
-
-
-def encode_block_size(world_size: int, rounds: int) -> int:
-    """Rounds per increment block: two blocks in memory are about ``N`` packets, the
-    protocol's storage beyond a rank's own data."""
-    return max(1, min(rounds, math.ceil(world_size / 2)))
-
-
-def run_cerar(flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats) -> torch.Tensor:
-    """Run CERAR on this rank's contiguous 1-d ``flat`` (float32 or float64) and write the
-    decoded sum into it. Returns ``flat``. ``stats`` accumulates the call's figures."""
-    c, n_ranks = code.components, code.world_size
-    d = flat.numel()
-    m = math.ceil(d / c)
-    dtype, device = flat.dtype, flat.device
-    plan = _torch_plan(code, ring.rank, dtype, device)
-    rounds = plan.increments.shape[0]
-    if d == c * m:
-        padded = flat
-    else:
-        padded = WORKSPACE.get("padded", (c * m,), dtype, device)
-        padded[:d].copy_(flat)
-        padded[d:].zero_()
-    own = padded.view(c, m)
-
-    # Round 1's increment is computed alone (it is on the critical path); later rounds come in
-    # blocks, each computed while the first round of the previous block is on the wire, into
-    # one of two alternating buffers (the other still feeds the rounds in flight).
-    block = encode_block_size(n_ranks, rounds)
-    bounds = [(0, 1)] + [(s, min(s + block, rounds)) for s in range(1, rounds, block)]
-    buffers = [WORKSPACE.get(f"increments{i}", (block, m), dtype, device) for i in range(2)]
-    encode_s = 0.0
-
-    def encode(k: int) -> torch.Tensor:
-        nonlocal encode_s
-        began = time.perf_counter()
-        start, stop = bounds[k]
-        out = buffers[k % 2][: stop - start]
-        torch.mm(plan.increments[start:stop], own, out=out)  # into a kept buffer: no page faults
-        encode_s += time.perf_counter() - began
-        return out
-
-    observations = WORKSPACE.get("observations", (c, m), dtype, device)
-    scratch = WORKSPACE.get("scratch", (m,), dtype, device)  # receives before the first observation
-    send = WORKSPACE.get("send", (m,), dtype, device)
-    blocks = {0: encode(0)}
-    received: torch.Tensor | None = None
-    k = 0
-    for t in range(1, rounds + 1):
-        if t - 1 >= bounds[k][1]:
-            blocks.pop(k)
-            k += 1
-        offset = t - 1 - bounds[k][0]
-        increment = blocks[k][offset]
-        if received is None:
-            send.copy_(increment)
-        else:
-            torch.add(received, increment, out=send)
-        slot = t - plan.first_observed_round
-        target = observations[slot] if slot >= 0 else scratch
-        works = _start(ring, send, target, stats)
-        if offset == 0 and k + 1 < len(bounds):
-            blocks[k + 1] = encode(k + 1)  # overlaps this round's transfer
-        _finish(works, ring, t)
-        received = target
-    began = time.perf_counter()
-    _decode_into(own, observations, plan)
-    stats.decode_s += time.perf_counter() - began
-    stats.encode_s += encode_s
-    stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-    if padded is not flat:
-        flat.copy_(padded[:d])
-    return flat
-
-
-def _decode_into(own: torch.Tensor, observations: torch.Tensor, plan: _TorchPlan) -> None:
-    """``own <- decode_own @ own + decode_obs @ observations``, in float64, column chunk by
-    column chunk so that the temporaries stay small and the result overwrites ``own``."""
-    c, m = own.shape
-    width = min(m, _DECODE_CHUNK)
-    own64 = WORKSPACE.get("decode_own", (c, width), torch.float64, own.device)
-    obs64 = WORKSPACE.get("decode_obs", (c, width), torch.float64, own.device)
-    out64 = WORKSPACE.get("decode_out", (c, width), torch.float64, own.device)
-    for start in range(0, m, width):
-        stop = min(m, start + width)
-        n = stop - start
-        a, b, out = own64[:, :n], obs64[:, :n], out64[:, :n]
-        a.copy_(own[:, start:stop])
-        b.copy_(observations[:, start:stop])
-        torch.mm(plan.decode_own, a, out=out)
-        out.addmm_(plan.decode_obs, b)
-        own[:, start:stop].copy_(out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Exact ring
-
-
-def run_ring(
-    flat: torch.Tensor,
+def run_rounds(
     ring: Ring,
     stats: CommStats,
-    wire_dtype: torch.dtype | None = None,
-    scale: float = 1.0,
-) -> torch.Tensor:
-    """Exact ring all-reduce (reduce-scatter then all-gather) of the contiguous 1-d ``flat``,
-    in place. With ``wire_dtype`` the chunks travel in that dtype and are accumulated in
-    ``flat``'s dtype; ``scale`` (a power of two) is applied before the ring and undone after,
-    to keep float16 sums in range."""
-    n = ring.size
-    d = flat.numel()
-    chunk = math.ceil(d / n)
-    wire = wire_dtype or flat.dtype
-    if d == n * chunk:
-        padded = flat
-    else:
-        padded = WORKSPACE.get("ring_padded", (n * chunk,), flat.dtype, flat.device)
-        padded[:d].copy_(flat)
-        padded[d:].zero_()
-    if scale != 1.0:
-        padded.mul_(1.0 / scale)
-    chunks = padded.view(n, chunk)
-    send = WORKSPACE.get("ring_send", (chunk,), wire, flat.device)
-    recv = WORKSPACE.get("ring_recv", (chunk,), wire, flat.device)
-    widened = WORKSPACE.get("ring_widened", (chunk,), flat.dtype, flat.device) if wire != flat.dtype else recv
-    r = ring.rank
-    for step in range(n - 1):  # reduce-scatter
-        send.copy_(chunks[(r - step) % n])
-        _finish(_start(ring, send, recv, stats), ring, step + 1)
-        if widened is not recv:
-            widened.copy_(recv)
-        chunks[(r - step - 1) % n].add_(widened)
-    owned = (r + 1) % n
-    if wire != flat.dtype:
-        # Every rank must end with the same values: the owner keeps what it sends.
-        chunks[owned].copy_(chunks[owned].to(wire))
-    for step in range(n - 1):  # all-gather
-        send.copy_(chunks[(r + 1 - step) % n])
-        _finish(_start(ring, send, recv, stats), ring, n + step)
-        chunks[(r - step) % n].copy_(recv)
-    if scale != 1.0:
-        padded.mul_(scale)
-    if padded is not flat:
-        flat.copy_(padded[:d])
-    stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-    return flat
+    rounds: int,
+    pieces: list[tuple[int, int]],
+    prepare: Segment,
+    target: Segment,
+    received: Callable[[int, int, int], None] | None = None,
+    posted: Callable[[int], None] | None = None,
+) -> None:
+    """Run ``rounds`` ring rounds, each cut into the column ranges ``pieces``.
+
+    For round ``t`` and piece ``[a, b)``: ``prepare(t, a, b)`` returns the view to send (it may
+    read what arrived in round ``t-1`` for the same piece, which has arrived by then, and must
+    write into a buffer that alternates with the round's parity: the engine waits for round
+    ``t-2``'s send of the piece before calling it); ``target(t, a, b)`` returns the view to
+    receive into; ``received(t, a, b)`` runs once that piece has arrived; ``posted(t)`` runs
+    once all of round ``t`` is on the wire (compute placed there overlaps the transfers).
+    """
+    recvs: dict[tuple[int, int], dist.Work] = {}
+    sends: dict[tuple[int, int], dist.Work] = {}
+    for t in range(1, rounds + 1):
+        for s, (a, b) in enumerate(pieces):
+            if t > 1:
+                _wait(recvs.pop((t - 1, s)), ring, t - 1)
+                if received is not None:
+                    received(t - 1, a, b)
+            old = sends.pop((t - 2, s), None)
+            if old is not None:
+                _wait(old, ring, t - 2)
+            send = prepare(t, a, b)
+            recv = target(t, a, b)
+            recvs[(t, s)] = dist.irecv(recv, ring.recv_from, ring.group)
+            sends[(t, s)] = dist.isend(send, ring.send_to, ring.group)
+            stats.bytes_sent += send.numel() * send.element_size()
+            stats.bytes_received += recv.numel() * recv.element_size()
+        stats.rounds += 1
+        if posted is not None:
+            posted(t)
+    for s, (a, b) in enumerate(pieces):
+        _wait(recvs.pop((rounds, s)), ring, rounds)
+        if received is not None:
+            received(rounds, a, b)
+    for (t, _), work in sorted(sends.items()):
+        _wait(work, ring, t)

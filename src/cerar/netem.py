@@ -1,0 +1,377 @@
+"""Slow-network emulation: one network namespace per rank, rate-limited links to a bridge.
+
+Layout of one emulated network (``run_id`` = ``<launcher pid>-<4 random hex>``)::
+
+    namespace cerar-<run_id>-hub :  bridge <tag>br, ports <tag>h0 .. <tag>h{N-1}
+    namespace cerar-<run_id>-r<i>:  veth <tag>r<i> (10.99.x.y/16), peer of <tag>h<i>,
+                                    egress shaped by ``tc tbf`` (and ``netem delay``)
+
+Every link is created directly inside its namespace, so nothing appears in the root namespace
+and deleting the namespaces removes every link. ``tag`` (``cx`` + 7 hex) keeps interface names
+within Linux's 15-character limit and unique to the run. Only addresses inside these namespaces
+are used: traffic never leaves them.
+
+Use :func:`emulated_network` (a context manager) to build and always tear down a network,
+:func:`unavailable_reason` to ask whether this machine can do it at all, :func:`measure_link_rate`
+for the TCP probe, and :func:`leftovers` / :func:`cleanup_stale` to find (or remove) what a
+killed run left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from cerar._checks import check_int
+
+NS_PREFIX = "cerar-"
+IF_PREFIX = "cx"
+_IF_PATTERN = re.compile(r"^cx[0-9a-f]{7}(br|[hr]\d+)$")
+_NS_PATTERN = re.compile(r"^cerar-(\d+)-([0-9a-f]{4})-(hub|r\d+)$")
+_RATE_PATTERN = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.I)
+_DELAY_PATTERN = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
+PROBE_PORT = 5201
+MAX_RANKS = 250 * 200
+
+
+class NetemUnavailable(RuntimeError):
+    """This machine cannot emulate a slow network (not root, or ``ip``/``tc`` missing)."""
+
+
+@dataclass(frozen=True)
+class RankLink:
+    """One rank's end of the emulated network."""
+
+    rank: int
+    namespace: str
+    ifname: str
+    address: str
+
+
+@dataclass
+class Network:
+    """A built emulated network; valid inside :func:`emulated_network` only."""
+
+    run_id: str
+    hub: str
+    bridge: str
+    rate: str
+    delay: str
+    ranks: list[RankLink] = field(default_factory=list)
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [link.namespace for link in self.ranks] + [self.hub]
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        """The argv prefix that runs a command inside ``rank``'s namespace."""
+        return ["ip", "netns", "exec", self.ranks[rank].namespace]
+
+
+def unavailable_reason() -> str | None:
+    """Why the slow regime cannot run here, or ``None`` if it can (root, ``ip`` and ``tc``)."""
+    if sys.platform != "linux":
+        return f"network namespaces need Linux, this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root, or use --regime fast)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"missing tool(s) {', '.join(missing)} (install iproute2)"
+    return None
+
+
+def check_rate(rate: str) -> str:
+    """Return ``rate`` after checking it is a ``tc`` rate such as ``"400mbit"``."""
+    if not isinstance(rate, str) or not _RATE_PATTERN.match(rate):
+        raise ValueError(f"Argument 'rate' must be a tc rate such as '400mbit' or '1gbit', not {rate!r}.")
+    return rate
+
+
+def check_delay(delay: str) -> str:
+    """Return ``delay`` after checking it is a ``tc`` time such as ``"0ms"`` or ``"2ms"``."""
+    if not isinstance(delay, str) or not _DELAY_PATTERN.match(delay):
+        raise ValueError(f"Argument 'delay' must be a time such as '0ms' or '500us', not {delay!r}.")
+    return delay
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """The nominal rate of a ``tc`` rate string in bytes per second (``"400mbit"`` -> 5e7)."""
+    match = re.match(r"^(\d+(?:\.\d+)?)([a-z]+)$", check_rate(rate).lower())
+    assert match is not None
+    value, unit = float(match.group(1)), match.group(2)
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+    if unit.endswith("bps"):  # tc: bps = bytes per second
+        return value * scale[unit[:-3]]
+    return value * scale[unit[:-3]] / 8.0
+
+
+def _delay_is_zero(delay: str) -> bool:
+    return float(re.sub(r"[a-z]+$", "", delay)) == 0.0
+
+
+def _run(argv: Sequence[str]) -> None:
+    done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        detail = done.stderr.strip() or done.stdout.strip()
+        raise NetemUnavailable(f"command failed ({done.returncode}): {' '.join(argv)}: {detail}")
+
+
+def _address(rank: int) -> str:
+    return f"10.99.{rank // 250}.{rank % 250 + 1}"
+
+
+@contextlib.contextmanager
+def emulated_network(world_size: int, rate: str = "400mbit", delay: str = "0ms") -> Iterator[Network]:
+    """Build a network of ``world_size`` rank namespaces and tear it down on exit, always.
+
+    Namespaces left by dead launchers (see :func:`cleanup_stale`) are removed first. Each
+    rank's egress is limited by ``tc tbf rate <rate> burst 256kb latency 100ms``; a
+    non-zero ``delay`` adds ``netem delay`` in front (needs the kernel's sch_netem). On exit,
+    normal or not, every process still inside the namespaces is killed and the namespaces (and
+    with them every link) are deleted.
+
+    Raises:
+        NetemUnavailable: not root, ``ip``/``tc`` missing, or a setup command failed.
+    """
+    world_size = check_int("world_size", world_size, minimum=1)
+    if world_size > MAX_RANKS:
+        raise ValueError(f"Argument 'world_size' must be at most {MAX_RANKS}, not {world_size}.")
+    rate, delay = check_rate(rate), check_delay(delay)
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NetemUnavailable(f"cannot emulate a slow network: {reason}")
+    cleanup_stale()  # what SIGKILLed launchers left behind (their ranks died with them)
+    rand = secrets.token_hex(2)
+    run_id = f"{os.getpid()}-{rand}"
+    tag = f"{IF_PREFIX}{rand}{os.getpid() % 4096:03x}"
+    net = Network(run_id, f"{NS_PREFIX}{run_id}-hub", f"{tag}br", rate, delay)
+    created: list[str] = []
+    try:
+        created.append(net.hub)  # listed first: deleting a name that was never made is harmless
+        _run(["ip", "netns", "add", net.hub])
+        _run(["ip", "-n", net.hub, "link", "add", net.bridge, "type", "bridge"])
+        _run(["ip", "-n", net.hub, "link", "set", net.bridge, "up"])
+        for rank in range(world_size):
+            link = RankLink(rank, f"{NS_PREFIX}{run_id}-r{rank}", f"{tag}r{rank}", _address(rank))
+            created.append(link.namespace)
+            _run(["ip", "netns", "add", link.namespace])
+            hub_side = f"{tag}h{rank}"
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    hub_side,
+                    "netns",
+                    net.hub,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    link.ifname,
+                    "netns",
+                    link.namespace,
+                ]
+            )
+            _run(["ip", "-n", net.hub, "link", "set", hub_side, "master", net.bridge, "up"])
+            # Gloo takes an interface's first address: keep IPv6 link-local ones off the link.
+            _run(["ip", "netns", "exec", link.namespace, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])
+            _run(["ip", "-n", link.namespace, "addr", "add", f"{link.address}/16", "dev", link.ifname])
+            _run(["ip", "-n", link.namespace, "link", "set", link.ifname, "up"])
+            _run(["ip", "-n", link.namespace, "link", "set", "lo", "up"])
+            _shape(link, rate, delay)
+            net.ranks.append(link)
+        yield net
+    finally:
+        # Teardown must not be cut short by a second Ctrl-C: hold the signals until it is done.
+        with _signals_blocked():
+            _teardown(created)
+
+
+def _shape(link: RankLink, rate: str, delay: str) -> None:
+    tbf = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+    tc = ["tc", "-n", link.namespace, "qdisc", "add", "dev", link.ifname]
+    if _delay_is_zero(delay):
+        _run([*tc, "root", *tbf])
+        return
+    try:
+        _run([*tc, "root", "handle", "1:", "netem", "delay", delay])
+    except NetemUnavailable as exc:
+        raise NetemUnavailable(
+            f"cannot add delay {delay!r}: the kernel has no netem qdisc (sch_netem); use delay '0ms' ({exc})"
+        ) from exc
+    _run([*tc, "parent", "1:", "handle", "10:", *tbf])
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    blocked = {signal.SIGINT, signal.SIGTERM}
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def namespace_pids(namespace: str) -> list[int]:
+    """Processes living in ``namespace`` (empty if it does not exist)."""
+    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
+    return [int(p) for p in done.stdout.split() if p.isdigit()]
+
+
+def _teardown(namespaces: Sequence[str]) -> None:
+    """Kill every process inside ``namespaces``, then delete them (links go with them)."""
+    for namespace in namespaces:
+        for _ in range(50):  # a dying process may still be listed for a moment
+            pids = namespace_pids(namespace)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+    for namespace in reversed(namespaces):
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+
+
+def leftovers(run_id: str | None = None) -> dict[str, list[str]]:
+    """What cerar networks left on this machine: namespaces, root-namespace links, processes.
+
+    With ``run_id`` only that run's namespaces count (other runs may be alive in parallel).
+    ``processes`` lists ``"<namespace>:<pid>"`` for processes inside those namespaces.
+    """
+    if shutil.which("ip") is None:
+        return {"namespaces": [], "links": [], "processes": []}
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    names = [line.split()[0] for line in listed.splitlines() if line.strip()]
+    prefix = f"{NS_PREFIX}{run_id}-" if run_id is not None else NS_PREFIX
+    namespaces = [n for n in names if n.startswith(prefix)]
+    links_out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+    links = []
+    for line in links_out.splitlines():
+        parts = line.split(":")
+        if len(parts) > 1:
+            name = parts[1].strip().split("@")[0]
+            if _IF_PATTERN.match(name):
+                links.append(name)
+    processes = [f"{n}:{pid}" for n in namespaces for pid in namespace_pids(n)]
+    return {"namespaces": namespaces, "links": links, "processes": processes}
+
+
+def cleanup_stale() -> list[str]:
+    """Delete cerar namespaces whose launcher process is dead (left by a SIGKILLed run).
+
+    Returns the namespaces removed. Namespaces of live launchers are left alone.
+    """
+    stale: list[str] = []
+    for namespace in leftovers()["namespaces"]:
+        match = _NS_PATTERN.match(namespace)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            stale.append(namespace)
+        except PermissionError:
+            continue
+    _teardown(stale)
+    return stale
+
+
+# ---------------------------------------------------------------------------------------------
+# TCP probe of the achieved link rate
+
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
+print("ready", flush=True)
+s.settimeout(float(sys.argv[3])); c, _ = s.accept(); c.settimeout(float(sys.argv[3]))
+n = 0; first = last = None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    now = time.perf_counter()
+    if first is None: first = now
+    else: n += len(b)
+    last = now
+print(n, (last - first) if first is not None else 0.0, flush=True)
+"""
+
+_SOURCE = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[4]))
+buf = b"\\0" * (1 << 18); end = time.perf_counter() + float(sys.argv[3])
+while time.perf_counter() < end: s.sendall(buf)
+s.close()
+"""
+
+
+def measure_link_rate(net: Network, seconds: float = 0.5, src: int = 0, dst: int = 1) -> float:
+    """Achieved TCP payload rate (bytes/s) from rank ``src`` to rank ``dst``'s namespace.
+
+    One plain TCP stream for ``seconds``; the receiver times from its first to its last chunk,
+    so connection setup is excluded. Payload only: headers (about 3%) are not counted.
+    """
+    if len(net.ranks) < 2:
+        raise ValueError(f"Argument 'net' must have at least 2 ranks to probe, not {len(net.ranks)}.")
+    limit = str(seconds + 20.0)
+    sink = subprocess.Popen(
+        [*net.exec_prefix(dst), sys.executable, "-c", _SINK, net.ranks[dst].address, str(PROBE_PORT), limit],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sink.stdout is not None
+        if sink.stdout.readline().strip() != "ready":
+            raise NetemUnavailable(f"link probe sink failed: {sink.stderr.read() if sink.stderr else ''}")
+        source = subprocess.run(
+            [
+                *net.exec_prefix(src),
+                sys.executable,
+                "-c",
+                _SOURCE,
+                net.ranks[dst].address,
+                str(PROBE_PORT),
+                str(seconds),
+                limit,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 30.0,
+            check=False,
+        )
+        if source.returncode != 0:
+            raise NetemUnavailable(f"link probe source failed: {source.stderr.strip()}")
+        out, err = sink.communicate(timeout=30.0)
+        fields = out.split()
+        if sink.returncode != 0 or len(fields) != 2 or float(fields[1]) <= 0:
+            raise NetemUnavailable(f"link probe sink failed: {err.strip() or out.strip()}")
+        return int(fields[0]) / float(fields[1])
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.wait()
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
