@@ -323,16 +323,18 @@ def test_config_defaults_and_cases() -> None:
     config = BenchConfig(world_size=4, sizes_bytes=(4 * MiB, MiB, MiB)).validated()
     assert config.components == (4, 8) and config.sizes_bytes == (MiB, 4 * MiB)
     cases = build_cases(config)
-    assert [c["size_bytes"] for c in cases] == [MiB] * 4 + [4 * MiB] * 4  # sorted by size
-    assert [(c["method"], c["components"]) for c in cases[:4]] == [
+    assert [c["size_bytes"] for c in cases] == [MiB] * 6 + [4 * MiB] * 6  # sorted by size
+    assert [(c["method"], c["components"]) for c in cases[:6]] == [
         ("builtin", None),
         ("ring", None),
+        ("ring-fp16", None),
+        ("ring-bf16", None),
         ("cerar", 4),
         ("cerar", 8),
     ]
-    assert cases[3]["code"]["world_size"] == 4 and cases[3]["code_params"]["delta"] > 0
+    assert cases[5]["code"]["world_size"] == 4 and cases[5]["code_params"]["delta"] > 0
     # the code travels to the ranks as JSON and must come back identical
-    assert Code.from_dict(json.loads(json.dumps(cases[3]["code"]))) == make_code(4, 8, "perturbed")
+    assert Code.from_dict(json.loads(json.dumps(cases[5]["code"]))) == make_code(4, 8, "perturbed")
 
 
 def _args(*argv: str) -> Any:
@@ -406,7 +408,14 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
     methods = {(r["method"], r["components"]) for r in doc["results"]}
     assert ("builtin", None) in methods
     if METHODS["cerar"].available():
-        assert methods == {("builtin", None), ("ring", None), ("cerar", 2), ("cerar", 4)}
+        assert methods == {
+            ("builtin", None),
+            ("ring", None),
+            ("ring-fp16", None),
+            ("ring-bf16", None),
+            ("cerar", 2),
+            ("cerar", 4),
+        }
     for r in doc["results"]:
         assert r["regime"] == "fast" and len(r["times_s"]) == 2 and len(r["rel_errors"]) == 2
         assert r["time_min_s"] <= r["time_median_s"] <= r["time_max_s"]

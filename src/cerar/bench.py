@@ -54,7 +54,7 @@ class BenchConfig:
     sizes_bytes: tuple[int, ...] = DEFAULT_SIZES
     components: tuple[int, ...] | None = None
     constructions: tuple[str, ...] = ("perturbed",)
-    methods: tuple[str, ...] = ("builtin", "ring", "cerar")
+    methods: tuple[str, ...] = ("builtin", "ring", "ring-fp16", "ring-bf16", "cerar")
     regimes: tuple[str, ...] = ("fast", "slow")
     rate: str = DEFAULT_RATE
     delay: str = "0ms"

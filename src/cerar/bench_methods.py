@@ -70,6 +70,17 @@ def _ring(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
     cerar.ring_all_reduce(tensor, stats=stats)
 
 
+def _ring_16(wire: str) -> Call:
+    def call(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
+        import torch
+
+        import cerar
+
+        cerar.ring_all_reduce(tensor, wire_dtype=getattr(torch, wire), stats=stats)
+
+    return call
+
+
 def _cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
     import cerar
 
@@ -97,6 +108,18 @@ METHODS: dict[str, Method] = {
             requires=None,
         ),
         Method("ring", "cerar's exact ring (reduce-scatter + all-gather) on cerar's transport", _ring),
+        Method(
+            "ring-fp16",
+            "the exact ring sending float16 (power-of-two scaled), accumulating in float32",
+            _ring_16("float16"),
+            wire_bytes_per_value=2.0,
+        ),
+        Method(
+            "ring-bf16",
+            "the exact ring sending bfloat16, accumulating in float32",
+            _ring_16("bfloat16"),
+            wire_bytes_per_value=2.0,
+        ),
         Method(
             "cerar",
             "CERAR, one series per c and construction",

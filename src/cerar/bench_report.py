@@ -109,7 +109,8 @@ def _model_lines(doc: dict[str, Any], regime: str) -> list[str]:
 
 
 def plot(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Write ``time_vs_size.png`` and ``ratio_vs_theory.png``; return their paths."""
+    """Write ``time_vs_size.png``, ``ratio_vs_theory.png`` and ``bytes_vs_error.png``; return
+    their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,7 +173,38 @@ def plot(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
     paths.append(out / "ratio_vs_theory.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    paths.append(_plot_bytes_vs_error(doc, out, title, plt))
     return paths
+
+
+def _plot_bytes_vs_error(doc: dict[str, Any], out: Path, title: str, plt: Any) -> Path:
+    """Bytes sent per element vs worst-rank error, one point per method at the largest size:
+    what each method buys with its bytes."""
+    largest = max(r["size_bytes"] for r in doc["results"])
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    seen: set[str] = set()
+    several = len({r["construction"] for r in doc["results"] if r["construction"]}) > 1
+    for r in doc["results"]:
+        label = series_label(r, several)
+        if r["size_bytes"] != largest or label in seen or r.get("worst_rel_error") is None:
+            continue
+        seen.add(label)
+        per_element = r["bytes_sent_per_rank"] / (r["size_bytes"] / 4.0)
+        ax.scatter(per_element, max(r["worst_rel_error"], 1e-9), s=40)
+        ax.annotate(
+            label, (per_element, max(r["worst_rel_error"], 1e-9)), fontsize=8, xytext=(4, 4), textcoords="offset points"
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes sent per element per rank")
+    ax.set_ylabel("worst-rank relative error (i.i.d. normal inputs)")
+    ax.set_title(f"the trade-off at {format_size(largest)}: bytes vs error", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    path = out / "bytes_vs_error.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _size_axis(ax: Any, doc: dict[str, Any]) -> None:

@@ -93,13 +93,13 @@ def _wait(work: dist.Work, ring: Ring, round: int) -> None:
         ) from exc
 
 
-_SEGMENT_BYTES = 512 * 1024
-_MAX_SEGMENTS = 8
+_SEGMENT_BYTES = 256 * 1024
+_MAX_SEGMENTS = 16
 
 
 def segments(values: int, itemsize: int) -> list[tuple[int, int]]:
     """Column ranges ``[a, b)`` that cut a packet of ``values`` values into pieces of about
-    512 KiB (at most 8): enough pieces to keep the link busy between rounds, few enough that
+    256 KiB (at most 16): enough pieces to keep the link busy between rounds, few enough that
     per-message overhead stays small."""
     count = max(1, min(_MAX_SEGMENTS, (values * itemsize) // _SEGMENT_BYTES))
     edges = [round(values * k / count) for k in range(count + 1)]

@@ -33,8 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="time all-reduce methods on fast (loopback) and slow (rate-limited) networks",
         description=(
-            "Launch N local ranks and time builtin (Gloo), ring (cerar's exact ring) and cerar "
-            "(per c) for each size, on loopback (fast) and on namespaces with tc-limited links "
+            "Launch N local ranks and time builtin (Gloo), ring (cerar's exact ring), the ring with "
+            "float16 and bfloat16 wires, and cerar (per c) for each size, on loopback (fast) and on namespaces with tc-limited links "
             "(slow, needs root, ip and tc; otherwise fast only)."
         ),
     )
@@ -46,7 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--components", "-c", default=None, help="c values for cerar, e.g. 4,8 (default N,2N)")
     p.add_argument("--construction", default="perturbed", help=f"comma list of {', '.join(CONSTRUCTIONS)}")
-    p.add_argument("--methods", default="builtin,ring,cerar", help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument(
+        "--methods",
+        default=",".join(BenchConfig.methods),
+        help=f"comma list of {', '.join(METHODS)} (default: all)",
+    )
     p.add_argument("--regime", default="both", choices=REGIME_CHOICES, help="network regime(s) (default both)")
     p.add_argument("--rate", default=DEFAULT_RATE, help=f"slow: per-rank link rate (default {DEFAULT_RATE})")
     p.add_argument("--delay", default="0ms", help="slow: added latency per link (needs netem; default 0ms)")
