@@ -34,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="time all-reduce methods on fast (loopback) and slow (rate-limited) networks",
         description=(
             "Launch N local ranks and time builtin (Gloo), ring (cerar's exact ring), the ring with "
-            "float16 and bfloat16 wires, and cerar (per c) for each size, on loopback (fast) and on namespaces with tc-limited links "
-            "(slow, needs root, ip and tc; otherwise fast only)."
+            "float16 and bfloat16 wires, and cerar (per c) for each size, on loopback (fast) and on "
+            "namespaces with tc-limited links (slow, needs root, ip and tc; otherwise fast only)."
         ),
     )
     p.add_argument("--world-size", "-N", type=int, default=4, help="ranks (default 4)")
