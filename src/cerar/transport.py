@@ -82,15 +82,27 @@ class RingError(RuntimeError):
     """A ring transfer failed: a neighbour died, stalled past the timeout, or closed."""
 
 
+def _ring_error(ring: Ring, round: int, exc: BaseException) -> RingError:
+    return RingError(
+        f"cerar: ring round {round} failed on group rank {ring.rank} (receiving from global "
+        f"rank {ring.recv_from}, sending to global rank {ring.send_to}): a peer died or "
+        f"stalled past the process group's timeout. Cause: {exc}"
+    )
+
+
 def _wait(work: dist.Work, ring: Ring, round: int) -> None:
     try:
         work.wait()
     except RuntimeError as exc:
-        raise RingError(
-            f"cerar: ring round {round} failed on group rank {ring.rank} (receiving from global "
-            f"rank {ring.recv_from}, sending to global rank {ring.send_to}): a peer died or "
-            f"stalled past the process group's timeout. Cause: {exc}"
-        ) from exc
+        raise _ring_error(ring, round, exc) from exc
+
+
+def _post(op: Callable[..., dist.Work], tensor: torch.Tensor, peer: int, ring: Ring, round: int) -> dist.Work:
+    # Posting to a pair whose peer has already gone raises at once rather than on wait.
+    try:
+        return op(tensor, peer, ring.group)
+    except RuntimeError as exc:
+        raise _ring_error(ring, round, exc) from exc
 
 
 _SEGMENT_BYTES = 256 * 1024
@@ -141,8 +153,8 @@ def run_rounds(
                 _wait(old, ring, t - 2)
             send = prepare(t, a, b)
             recv = target(t, a, b)
-            recvs[(t, s)] = dist.irecv(recv, ring.recv_from, ring.group)
-            sends[(t, s)] = dist.isend(send, ring.send_to, ring.group)
+            recvs[(t, s)] = _post(dist.irecv, recv, ring.recv_from, ring, t)
+            sends[(t, s)] = _post(dist.isend, send, ring.send_to, ring, t)
             stats.bytes_sent += send.numel() * send.element_size()
             stats.bytes_received += recv.numel() * recv.element_size()
         stats.rounds += 1
