@@ -204,3 +204,9 @@ def test_choose_without_optimisation_uses_spread_perturbed() -> None:
 def test_choose_bad_budget() -> None:
     with pytest.raises(ValueError, match="error_budget"):
         codes.choose(4, error_budget=0.0)
+
+
+def test_choose_two_ranks_is_the_exact_ring() -> None:
+    # With N = 2 every c sends one value per value and decodes exactly: more c = more rounds.
+    code = codes.choose(2)
+    assert code.components == 2 and code.is_exact

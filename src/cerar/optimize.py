@@ -34,7 +34,7 @@ from scipy.optimize import minimize
 
 from cerar._checks import check_float, check_int
 from cerar.code import Code
-from cerar.codes import _perturbed_nodes, _search_ranks, cluster_sizes, perturbed
+from cerar.codes import _perturbed_nodes, _search_ranks, cluster_sizes, exact, perturbed
 from cerar.decoders import SingularCodeError
 from cerar.optimize_cache import cached_code
 from cerar.precision import UNIT_ROUNDOFF, precision_name
@@ -349,7 +349,8 @@ def choose(
     use_optimized: bool = True,
 ) -> Code:
     """The code with the largest ``c`` (least traffic) whose predicted worst-rank error meets
-    ``error_budget``; ``c`` runs from ``N`` (exact, always meets it) to ``8N``.
+    ``error_budget``; ``c`` runs from ``N`` (exact, always meets it) to ``8N``. For ``N = 2`` every
+    ``c`` sends the same bytes and decodes exactly, so the exact code (``c = 2``) is returned.
 
     The search over ``c`` bisects on spread-seam perturbed designs (``perturbed(...,
     spread_seam=True)``, a fraction of a second each), as the error grows with ``c``. With
@@ -364,6 +365,10 @@ def choose(
     world_size = check_int("world_size", world_size, minimum=2)
     precision = precision_name(precision)
     error_budget = check_float("error_budget", error_budget, positive=True)
+    if world_size == 2:
+        # Two ranks send one value per value whatever c is (1 + (N-2)/c = 1) and decode
+        # exactly: a larger c only adds rounds. The exact code is ring all-reduce itself.
+        return exact(2)
 
     from cerar import __version__
 
