@@ -9,8 +9,9 @@ Every call starts with one tiny agreement step (an all-reduce of a few numbers) 
 * checks that every rank runs the same call: the same code (N, c, construction, parameters,
   decoder), packet dtype, size, op and non-finite policy; any mismatch raises
   :class:`SettingsMismatchError` with the same message on every rank instead of a hang;
-* carries each rank's non-finite flag (mixing spreads one NaN to every element on every rank,
-  so it is checked before encoding) and, for float16 wires, the largest magnitude.
+* carries each rank's non-finite flag (mixing spreads one NaN across the ``c`` components of
+  its column on every rank, so it is checked before encoding) and, for float16 wires, the
+  largest magnitude.
 
 A dead or stuck peer makes the ring's point-to-point waits fail within the process group's
 timeout (``init_process_group(timeout=...)``) on every surviving rank.
@@ -18,12 +19,13 @@ timeout (``init_process_group(timeout=...)``) on every surviving rank.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -240,6 +242,19 @@ class _Agreement:
     max_abs: float
 
 
+@contextlib.contextmanager
+def _recorded(ring: Ring, stats: CommStats | None) -> Iterator[CommStats]:
+    """One call's :class:`CommStats`, timed and added to the group's (and ``stats``) even when
+    the call fails."""
+    started = time.perf_counter()
+    call = CommStats(calls=1)
+    try:
+        yield call
+    finally:
+        call.wall_s = time.perf_counter() - started
+        _record(ring, call, stats)
+
+
 def _cerar_call(
     tensor: torch.Tensor,
     op: str,
@@ -248,59 +263,47 @@ def _cerar_call(
     nonfinite: str,
     stats: CommStats | None,
 ) -> None:
-    started = time.perf_counter()
-    call = CommStats(calls=1)
-    try:
-        with _Working(tensor) as flat:
-            precision = "fp64" if flat.dtype == torch.float64 else "fp32"
-            if ring.size == 1:
-                return
-            code = code if code is not None else default_code(ring.size, precision)
-            identity = ("cerar", code.fingerprint, str(flat.dtype), flat.numel(), op, nonfinite)
-            summary = f"{code!r}, packets {flat.dtype}, size {flat.numel()}, op {op}, nonfinite={nonfinite!r}"
-            agreed = _agree(ring, identity, summary, flat, check_finite=nonfinite != "ignore", want_max=False)
-            if agreed.nonfinite_ranks:
-                call.nonfinite_events += 1
-                if nonfinite == "raise":
-                    raise NonFiniteError(
-                        f"cerar.all_reduce: NaN or Inf in the input of rank(s) {agreed.nonfinite_ranks} "
-                        f"(group ranks); CERAR's mixing would spread it to every element on every "
-                        f"rank. Pass nonfinite='exact' to fall back to the exact ring instead."
-                    )
-                call.fallbacks += 1
-                run_ring(flat, ring, call)
-            else:
-                run_cerar(flat, code, ring, call)
-            if op == "avg":
-                flat.div_(ring.size)
-    finally:
-        call.wall_s = time.perf_counter() - started
-        _record(ring, call, stats)
+    with _recorded(ring, stats) as call, _Working(tensor) as flat:
+        if ring.size == 1:
+            return
+        precision = "fp64" if flat.dtype == torch.float64 else "fp32"
+        code = code if code is not None else default_code(ring.size, precision)
+        identity = ("cerar", code.fingerprint, str(flat.dtype), flat.numel(), op, nonfinite)
+        summary = f"{code!r}, packets {flat.dtype}, size {flat.numel()}, op {op}, nonfinite={nonfinite!r}"
+        agreed = _agree(ring, identity, summary, flat, check_finite=nonfinite != "ignore", want_max=False)
+        if agreed.nonfinite_ranks:
+            call.nonfinite_events += 1
+            if nonfinite == "raise":
+                raise NonFiniteError(
+                    f"cerar.all_reduce: NaN or Inf in the input of rank(s) {agreed.nonfinite_ranks} "
+                    f"(group ranks); CERAR's mixing would spread it across its column (all c components) "
+                    f"on every rank. Pass nonfinite='exact' to fall back to the exact ring instead."
+                )
+            call.fallbacks += 1
+            run_ring(flat, ring, call)
+        else:
+            run_cerar(flat, code, ring, call)
+        if op == "avg":
+            flat.div_(ring.size)
 
 
 def _ring_call(
     tensor: torch.Tensor, op: str, ring: Ring, wire_dtype: torch.dtype | None, stats: CommStats | None
 ) -> None:
-    started = time.perf_counter()
-    call = CommStats(calls=1)
-    try:
-        with _Working(tensor) as flat:
-            if ring.size == 1:
-                return
-            wire = wire_dtype or flat.dtype
-            identity = ("ring", str(flat.dtype), str(wire), flat.numel(), op)
-            summary = f"exact ring, values {flat.dtype}, wire {wire}, size {flat.numel()}, op {op}"
-            needs_scale = wire == torch.float16
-            agreed = _agree(ring, identity, summary, flat, check_finite=needs_scale, want_max=needs_scale)
-            scale = 1.0
-            if needs_scale and not agreed.nonfinite_ranks:
-                scale = float16_scale(ring.size, agreed.max_abs)
-            run_ring(flat, ring, call, wire_dtype=wire_dtype, scale=scale)
-            if op == "avg":
-                flat.div_(ring.size)
-    finally:
-        call.wall_s = time.perf_counter() - started
-        _record(ring, call, stats)
+    with _recorded(ring, stats) as call, _Working(tensor) as flat:
+        if ring.size == 1:
+            return
+        wire = wire_dtype or flat.dtype
+        identity = ("ring", str(flat.dtype), str(wire), flat.numel(), op)
+        summary = f"exact ring, values {flat.dtype}, wire {wire}, size {flat.numel()}, op {op}"
+        needs_scale = wire == torch.float16
+        agreed = _agree(ring, identity, summary, flat, check_finite=needs_scale, want_max=needs_scale)
+        scale = 1.0
+        if needs_scale and not agreed.nonfinite_ranks:
+            scale = float16_scale(ring.size, agreed.max_abs)
+        run_ring(flat, ring, call, wire_dtype=wire_dtype, scale=scale)
+        if op == "avg":
+            flat.div_(ring.size)
 
 
 def _agree(

@@ -73,8 +73,8 @@ class CerarState:
             :func:`ring_hook`.
         nonfinite: what a bucket holding NaN or Inf on some rank does. ``"exact"`` (default):
             that bucket goes through the exact ring instead (CERAR's mixing would spread one NaN
-            to every element on every rank; the ring keeps it where it was, as DDP's default
-            would) and ``stats.fallbacks`` counts it. ``"raise"``: backward raises
+            across the ``c`` components of its column on every rank; the ring keeps it where it
+            was, as DDP's default would) and ``stats.fallbacks`` counts it. ``"raise"``: backward raises
             :class:`cerar.collective.NonFiniteError` on every rank. ``"ignore"``: no check.
         resync_every: re-synchronise the replicas every this many optimizer steps (``None``:
             never on a schedule). Each re-sync broadcasts all parameters from the group's rank 0:
