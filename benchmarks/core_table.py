@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from cerar import codes, simulate
+from cerar.coding import codes, simulate
 
 #: DESIGN.md's reference figures (symmetric clusters, mixed decoder): (worst-rank error, cond).
 DESIGN: dict[tuple[int, int], tuple[float, float]] = {

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cerar import codes
-from cerar.study import gradient_like_inputs, iid_inputs, method_error
+from cerar.coding import codes
+from cerar.experiments.study.synthetic import gradient_like_inputs, iid_inputs, method_error
 
 TARGETS = {2: 1e-4, 3: 1e-3, 4: 5e-3}
 DESIGNS = ("perturbed", "spread", "optimized")

@@ -1,0 +1,52 @@
+"""The ``cerar`` command line: a thin entry point over :mod:`cerar.commands`.
+
+Each sub-command lives in its own module with ``add_parser(subparsers)`` and ``run(args)``;
+modules load only when their command runs, so ``cerar design`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, str] = {
+    "design": "cerar.cli.design",
+    "bench": "cerar.cli.bench",
+    "train": "cerar.cli.train",
+    "study": "cerar.cli.study",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cerar", description="Coded approximate ring all-reduce.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=f"see `cerar {name} --help`")
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(only=command)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command])
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, TypeError) as exc:
+        print(f"cerar {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,129 @@
+"""``cerar design``: inspect one code: rates, per-rank cond and error bound, predicted and
+simulated worst-rank error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from cerar.coding import codes
+from cerar.coding.code import Code
+from cerar.coding.precision import precision_name
+from cerar.protocol.simulate import simulate
+
+CONSTRUCTIONS = ("perturbed", "vandermonde", "exact", "optimized")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("design", help="inspect a CERAR code (no torch needed)")
+    p.add_argument("--world-size", "-N", type=int, default=8, help="ranks on the ring (default 8)")
+    p.add_argument("--components", "-c", type=int, default=None, help="components c (default 2N)")
+    p.add_argument("--construction", default="perturbed", choices=CONSTRUCTIONS)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "fp64"), help="packet precision")
+    p.add_argument("--delta", type=float, default=None, help="perturbed: cluster spacing (default: best)")
+    p.add_argument("--eps", type=float, default=None, help="vandermonde: node spacing (default: best)")
+    p.add_argument("--reference", default="mixed", choices=("mixed", "A"), help="decoder")
+    p.add_argument("--size", type=int, default=None, help="values per rank to simulate (default 2048 c)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def build_code(args: argparse.Namespace) -> Code:
+    n_ranks = args.world_size
+    components = args.components if args.components is not None else 2 * n_ranks
+    if args.construction == "exact":
+        if args.components is not None and args.components != n_ranks:
+            raise ValueError(f"Argument 'components' must equal world_size for 'exact', not {components}.")
+        return codes.exact(n_ranks).with_reference(args.reference)
+    if args.construction == "vandermonde":
+        return codes.vandermonde(n_ranks, components, args.eps, args.precision, reference=args.reference)
+    if args.construction == "optimized":
+        code = codes.optimized(n_ranks, components, args.precision)
+        return code.with_reference(args.reference)
+    return codes.perturbed(n_ranks, components, args.delta, args.precision, reference=args.reference)
+
+
+def describe(code: Code, precision: str, size: int, seed: int) -> dict[str, Any]:
+    """Every figure ``cerar design`` shows, as a JSON-ready dict."""
+    rng = np.random.default_rng(seed)
+    inputs = rng.standard_normal((code.world_size, size))
+    started = time.perf_counter()
+    result = simulate(code, inputs, packet_dtype=precision)
+    simulate_s = time.perf_counter() - started
+    predicted = code.predicted_error(precision)
+    return {
+        "code": code.to_dict(),
+        "repr": repr(code),
+        "world_size": code.world_size,
+        "components": code.components,
+        "construction": code.construction,
+        "params": code.params,
+        "reference": code.reference,
+        "precision": precision,
+        "rounds": code.rounds,
+        "comm_rate": code.comm_rate,
+        "ring_comm_rate": code.ring_comm_rate,
+        "comm_ratio_to_ring": code.comm_rate / code.ring_comm_rate,
+        "storage_rate": code.storage_rate,
+        "cond": code.cond.tolist(),
+        "error_bound": code.error_bound.tolist(),
+        "predicted_error": predicted.tolist(),
+        "predicted_worst_error": float(np.max(predicted)),
+        "simulated_error": result.relative_errors.tolist(),
+        "simulated_worst_error": result.worst_relative_error,
+        "simulation": {
+            "size": size,
+            "inputs": "i.i.d. standard normal",
+            "seed": seed,
+            "packet_values": result.packet_values,
+            "values_sent_per_rank": int(result.values_sent[0]),
+            "peak_working_packets": int(np.max(result.peak_working_packets)),
+            "seconds": simulate_s,
+        },
+    }
+
+
+def format_table(info: dict[str, Any]) -> str:
+    lines = [
+        info["repr"],
+        f"  rounds L = c + N - 2      {info['rounds']}",
+        f"  comm rate (values sent per value)  {info['comm_rate']:.3f}   ring all-reduce "
+        f"{info['ring_comm_rate']:.3f}   ratio {info['comm_ratio_to_ring']:.3f}",
+        f"  storage rate 1 + N/c      {info['storage_rate']:.3f}",
+        f"  worst-rank error at {info['precision']}: predicted {info['predicted_worst_error']:.3g}, "
+        f"simulated {info['simulated_worst_error']:.3g} "
+        f"(d = {info['simulation']['size']}, i.i.d. normal, seed {info['simulation']['seed']})",
+        "",
+        f"  {'rank':>4}  {'cond':>10}  {'error bound':>11}  {'predicted':>10}  {'simulated':>10}",
+    ]
+    for j in range(info["world_size"]):
+        lines.append(
+            f"  {j:>4}  {info['cond'][j]:>10.3g}  {info['error_bound'][j]:>11.3g}  "
+            f"{info['predicted_error'][j]:>10.3g}  {info['simulated_error'][j]:>10.3g}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    precision = precision_name(args.precision)
+    code = build_code(args)
+    size = args.size if args.size is not None else 2048 * code.components
+    if size < 1:
+        raise ValueError(f"Argument 'size' must be at least 1, not {size}.")
+    info = describe(code, precision, size, args.seed)
+    if args.json:
+        print(json.dumps(info, indent=2, default=_json_default))
+    else:
+        print(format_table(info))
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)

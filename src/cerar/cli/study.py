@@ -1,0 +1,145 @@
+"""``cerar study``: the paper-style accuracy figures (PNG) and their data (JSON).
+
+Writes, under ``--out`` (default ``results/study``):
+
+* ``slopes.png`` / ``slopes.json``: error and cond against ``eps`` for each construction
+  (float64 packets, log-log, fitted slopes against the predicted ``1`` and ``-r``);
+* ``tradeoff.png`` / ``tradeoff.json``: bytes per element against worst-rank error at float32 and
+  float64 for ``N = 4, 8, 16`` (perturbed, perturbed with its seam spread, optimized), with the
+  float16/bfloat16 ring errors and the float32/float16 exact ring's bytes as reference lines.
+
+Optimised designs come from the on-disk cache after the first run (the first run of the full
+study spends about a minute optimising). ``--quick`` runs a small version (``N = 4``) in seconds.
+
+``--gradients`` measures real gradients instead (:mod:`cerar.experiments.study.capture`,
+:mod:`cerar.experiments.study.gradients`): it trains the ``cerar train`` model on ``--world-size`` local ranks
+(default 4) for ``--steps`` updates (default 160) with exact averaging, captures every rank's
+local gradient at ``--capture-steps`` (default start, middle, end), and writes
+
+* ``gradients_capture.npz``: the captured gradients (reuse them with ``--capture PATH``, which
+  skips training);
+* ``gradients.json`` / ``gradients.png``: each method's bytes per element and worst/mean-rank
+  error on the gradients of every point and on i.i.d. data of the same size (CERAR ``c = 2N, 3N``
+  with each construction, the float32/float16/bfloat16 rings), and how shared the gradients are.
+
+With ``--quick`` it trains a tiny model for 10 steps: a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from cerar.experiments.study import synthetic as study
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("study", help="accuracy figures: error/cond vs eps, bytes vs error (PNG + JSON)")
+    p.add_argument("--out", type=Path, default=Path("results/study"), help="folder (default results/study)")
+    p.add_argument("--world-sizes", "-N", type=int, nargs="+", default=[4, 8, 16], help="ranks, trade-off")
+    p.add_argument("--size", type=int, default=256, help="values per component per simulation (default 256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="N = 4 only, small inputs: a smoke test in seconds")
+    g = p.add_argument_group("real gradients (--gradients)")
+    g.add_argument("--gradients", action="store_true", help="measure captured training gradients instead")
+    g.add_argument("--world-size", type=int, default=4, help="ranks of the capture run (default 4)")
+    g.add_argument("--steps", type=int, default=160, help="training updates (default 160)")
+    g.add_argument("--capture-steps", type=int, nargs="+", default=None,
+                   help="steps in [0, steps] to capture (default: 0, steps // 2, steps)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
+    g.add_argument("--capture", type=Path, default=None, help="reuse this saved capture (.npz): no training")
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "gradients", False):
+        return _run_gradients(args)
+    world_sizes = [4] if args.quick else list(args.world_sizes)
+    size = 64 if args.quick else args.size
+    for n in world_sizes:
+        if not isinstance(n, int) or n < 3:
+            raise ValueError(f"Argument 'world_sizes' must hold integers of at least 3, not {n!r}.")
+    if size < 1:
+        raise ValueError(f"Argument 'size' must be at least 1, not {size}.")
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    slopes = study.slope_study(4, size=max(size, 256), seed=args.seed)
+    _write(out / "slopes.json", slopes)
+    study.plot_slopes(slopes, out / "slopes.png")
+    for label, s in slopes["series"].items():
+        print(
+            f"{label:>25}: error slope {s['error_slope']:.3f} (theory {s['predicted_error_slope']:.0f}), "
+            f"cond slope {s['cond_slope']:.3f} (theory {s['predicted_cond_slope']:.0f})"
+        )
+
+    multiples = (2, 3) if args.quick else (1.5, 2, 3, 4)
+    tradeoff = study.tradeoff_study(world_sizes, multiples, ("fp32", "fp64"), size, args.seed)
+    _write(out / "tradeoff.json", tradeoff)
+    study.plot_tradeoff(tradeoff, out / "tradeoff.png")
+    for point in tradeoff["points"]:
+        if point["precision"] == "fp32":
+            print(
+                f"N={point['world_size']:>2} c={point['components']:>3} {point['method']:>16} fp32: "
+                f"{point['bytes_per_element']:.2f} B/elem, worst-rank error {point['error']:.3g}"
+            )
+    elapsed = time.perf_counter() - started
+    print(f"wrote {out}/slopes.{{png,json}} and {out}/tradeoff.{{png,json}} in {elapsed:.0f} s")
+    return 0
+
+
+def _run_gradients(args: argparse.Namespace) -> int:
+    """``--gradients``: capture (or load) real gradients, measure every method, write JSON + PNG."""
+    from cerar.experiments.study import capture as gradient_capture
+    from cerar.experiments.study import gradients as gradient_study
+    from cerar.experiments.train.config import ModelConfig
+
+    out: Path = args.out
+    started = time.perf_counter()
+    if args.capture is not None:
+        capture = gradient_capture.load_capture(args.capture)
+        source = str(args.capture)
+    else:
+        if args.world_size < 3:
+            # N = 2 has no wrap (both ranks decode exactly): nothing for the study to show.
+            raise ValueError(f"Argument 'world_size' must be at least 3, not {args.world_size}.")
+        steps = 10 if args.quick else args.steps
+        model = ModelConfig(layers=1, hidden=32, heads=2, seq_len=32) if args.quick else ModelConfig()
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "gradients_capture.npz"
+
+        def echo(rank: int, stream: str, line: str) -> None:
+            if stream == "stdout" and line.startswith(gradient_capture.PROGRESS_PREFIX):
+                step, total, loss = line.split()[1:]
+                if int(step) % 20 == 0 or step == total:
+                    print(f"  step {step}/{total} loss {float(loss):.3f}", flush=True)
+
+        print(f"training on {args.world_size} ranks for {steps} steps, capturing local gradients ...", flush=True)
+        capture = gradient_capture.capture_gradients(
+            args.world_size, steps, args.capture_steps, model, path,
+            batch_size=args.batch_size, seed=args.seed, on_line=echo,
+        )  # fmt: skip
+        source = str(path)
+    out.mkdir(parents=True, exist_ok=True)
+    datasets = {f"step {s}": capture.gradients[p] for p, s in enumerate(capture.steps)}
+    info = {
+        "capture": source,
+        "steps": list(capture.steps),
+        "train_config": capture.config.to_dict(),
+        "local_losses": capture.losses.tolist(),
+    }
+    result = gradient_study.gradient_study(datasets, seed=args.seed, info=info)
+    _write(out / "gradients.json", result)
+    gradient_study.plot_gradient_study(result, out / "gradients.png")
+    print(f"N = {capture.world_size}, d = {capture.size:,}; worst-rank relative error:")
+    print(gradient_study.method_table(result, "worst"))
+    elapsed = time.perf_counter() - started
+    print(f"wrote {out}/gradients.{{png,json}} in {elapsed:.0f} s")
+    return 0

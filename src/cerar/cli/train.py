@@ -1,0 +1,237 @@
+"""``cerar train``: the Pythia-style training experiment, every method on the same data.
+
+For each method (and, for ``allreduce``, each noise seed) it launches ``N`` local ranks of
+:mod:`cerar.experiments.train.worker` with :func:`cerar.harness.launch.launch` on a fast (loopback) or slow
+(rate-limited network namespaces) network, then writes under ``--out``:
+
+* ``runs/<label>.json``: every rank's per-step and per-evaluation record;
+* ``summary.json``: the per-run summaries, comparisons, link rate and settings;
+* ``loss.png`` (validation loss vs step and vs training time) and ``breakdown.png``;
+
+and prints the summary table. The same worker runs under ``torchrun`` directly (see
+:mod:`cerar.experiments.train.worker`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cerar.experiments.train.config import TrainConfig, add_config_arguments, config_from_args
+
+DEFAULT_METHODS = ("allreduce", "cerar:2N", "cerar:3N", "fp16", "powersgd")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a small Pythia (GPT-NeoX) on Shakespeare with each method and compare",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(DEFAULT_METHODS),
+        help="methods: allreduce, ring, cerar[:c|:kN], fp16, bf16, powersgd[:r] (default: %(default)s)",
+    )
+    p.add_argument("--world-size", "-N", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--regime", choices=("fast", "slow"), default="slow", help="network (default slow)")
+    p.add_argument("--rate", default="400mbit", help="slow: each rank's link rate (default 400mbit)")
+    p.add_argument("--delay", default="0ms", help="slow: added one-way delay (default 0ms)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every method's run (default 0)")
+    p.add_argument(
+        "--noise-seeds",
+        type=int,
+        default=2,
+        help="allreduce runs with seeds seed..seed+k-1: their spread is the noise yardstick (default 2)",
+    )
+    p.add_argument("--target-loss", type=float, default=None, help="default: allreduce's loss + its spread")
+    p.add_argument("--out", type=Path, default=Path("results/train"), help="output folder (default results/train)")
+    p.add_argument("--timeout-s", type=float, default=1200.0, help="limit per run (default 1200)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse runs/<label>.json from an earlier run with the same settings, N and regime",
+    )
+    p.add_argument("--json", action="store_true", help="print the summary JSON instead of the table")
+    add_config_arguments(p)
+
+
+def plan_runs(args: argparse.Namespace) -> list[TrainConfig]:
+    """The runs, in order: each method once with ``--seed``, plus extra allreduce seeds."""
+    if args.world_size < 2:
+        raise ValueError(f"Argument 'world_size' must be at least 2, not {args.world_size}.")
+    if args.noise_seeds < 1:
+        raise ValueError(f"Argument 'noise_seeds' must be at least 1, not {args.noise_seeds}.")
+    configs: list[TrainConfig] = []
+    for spec in args.methods:
+        configs.append(config_from_args(args, spec, args.seed, args.world_size))
+        if spec == "allreduce":
+            for extra in range(1, args.noise_seeds):
+                configs.append(config_from_args(args, spec, args.seed + extra, args.world_size))
+    labels = [c.label for c in configs]
+    duplicated = sorted({label for label in labels if labels.count(label) > 1})
+    if duplicated:
+        raise ValueError(f"Argument 'methods' must not repeat a run, not {duplicated}.")
+    return configs
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from cerar.experiments.train import report
+    from cerar.experiments.train.worker import PROGRESS_PREFIX
+    from cerar.harness.launch import launch
+
+    configs = plan_runs(args)
+    if args.regime == "slow":
+        from cerar.harness.netem import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"Argument 'regime' 'slow' is unavailable here: {reason}.")
+    runs_dir = args.out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(
+        total=sum(c.steps for c in configs),
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.2 if sys.stderr.isatty() else 10.0,  # a log file gets a line now and then
+    )
+    lock = threading.Lock()
+    runs: list[dict[str, Any]] = []
+    link_rates: list[float] = []
+    started = time.perf_counter()
+    reused_wall_s = 0.0  # ranks' wall time of reused runs, counted in the total
+    for config in configs:
+        config_path = runs_dir / f"{config.label}.config.json"
+        out_path = runs_dir / f"{config.label}.json"
+        reused = _reusable(out_path, config, args) if args.reuse else None
+        if reused is not None:
+            runs.append(reused)
+            reused_wall_s += float((reused.get("launch") or {}).get("wall_s", 0.0))
+            rate = (reused.get("launch") or {}).get("link_rate_bytes_per_s")
+            if rate:
+                link_rates.append(rate)
+            bar.update(config.steps)
+            continue
+        config_path.write_text(config.to_json())
+        done = {"steps": 0}
+        bar.set_description(config.label)
+
+        def follow(rank: int, stream: str, line: str, done: dict[str, int] = done) -> None:
+            # Rank 0's progress lines drive the bar (from the launcher's reader thread).
+            if rank == 0 and stream == "stdout" and line.startswith(PROGRESS_PREFIX):
+                step = int(line.split()[1])
+                with lock:
+                    bar.update(step - done["steps"])
+                    done["steps"] = step
+
+        command = [
+            sys.executable,
+            "-m",
+            "cerar.experiments.train.worker",
+            "--config",
+            str(config_path),
+            "--out",
+            str(out_path),
+            "--progress",
+            "lines",
+        ]
+        load_before = os.getloadavg()[0]
+        result = launch(
+            command,
+            args.world_size,
+            regime=args.regime,
+            rate=args.rate,
+            delay=args.delay,
+            timeout_s=args.timeout_s,
+            on_line=follow,
+        )
+        if result.link_rate_bytes_per_s:
+            link_rates.append(result.link_rate_bytes_per_s)
+        run_record = json.loads(out_path.read_text())
+        # The machine may be shared: the load average says how much others competed for the CPUs.
+        run_record["launch"] = {
+            "world_size": args.world_size,
+            "regime": result.regime,
+            "rate": result.rate,
+            "wall_s": result.wall_s,
+            "link_rate_bytes_per_s": result.link_rate_bytes_per_s,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0],
+        }
+        out_path.write_text(json.dumps(run_record))
+        runs.append(run_record)
+    bar.close()
+
+    link_rate = sum(link_rates) / len(link_rates) if link_rates else None
+    target = args.target_loss if args.target_loss is not None else report.default_target(runs)
+    summaries = [report.summarize_run(r, target) for r in runs]
+    spread = report.noise_spread(summaries)
+    # Against allreduce (the baseline) and, for cerar, against the exact ring on the same
+    # transport (isolates the coding gain from the transport's own cost).
+    comparisons = report.compare(summaries, link_rate) + report.compare(
+        summaries, link_rate, baseline="ring", only=("cerar",)
+    )
+    summary = {
+        "world_size": args.world_size,
+        "regime": args.regime,
+        "rate": args.rate if args.regime == "slow" else None,
+        "link_rate_bytes_per_s": link_rate,
+        "target_val_loss": target,
+        "noise_spread": spread,
+        "total_wall_s": time.perf_counter() - started + reused_wall_s,
+        "runs": [s.as_dict() for s in summaries],
+        "comparisons": comparisons,
+        "configs": [c.to_dict() for c in configs],
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if not args.no_plots:
+        from cerar.experiments.train.plots import plot_breakdown, plot_loss
+
+        plot_loss(runs, args.out / "loss.png", target=target)
+        plot_breakdown(summaries, args.out / "breakdown.png")
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    regime = f"slow, {args.rate}" if args.regime == "slow" else "fast (loopback)"
+    first = configs[0]
+    print(
+        f"cerar train: N = {args.world_size}, {regime}, {first.steps} steps x {first.batch_size} seq x "
+        f"{first.model.seq_len} bytes per rank, GPT-NeoX {first.model.layers}L/{first.model.hidden}H "
+        f"({summaries[0].parameters / 1e6:.2f} M parameters); total {summary['total_wall_s']:.0f} s"
+    )
+    print(
+        report.format_table(
+            summaries, target=target, spread=spread, comparisons=comparisons, link_rate_bytes_per_s=link_rate
+        )
+    )
+    print(f"\nwrote {args.out / 'summary.json'}" + ("" if args.no_plots else ", loss.png, breakdown.png"))
+    return 0
+
+
+def _reusable(path: Path, config: TrainConfig, args: argparse.Namespace) -> dict[str, Any] | None:
+    """An earlier run's record if it exists and matches this run's settings, else None."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    launch = record.get("launch") or {}
+    same = (
+        record.get("config") == config.to_dict()
+        and record.get("world_size") == args.world_size
+        and launch.get("regime") == args.regime
+        and (args.regime == "fast" or launch.get("rate") == args.rate)
+    )
+    return record if same else None

@@ -1,0 +1,100 @@
+"""On-disk cache for designs that take seconds to compute (:func:`cerar.coding.codes.optimized`).
+
+One JSON file per entry, named by the SHA-256 of the entry's key (every input of the
+computation, the library version and the algorithm's own version). An entry is trusted only if
+it parses, its stored key equals the requested key, and its code rebuilds; anything else (a
+truncated file, a file from another version, hand-edited JSON) counts as a miss, is recomputed
+and overwritten. Writes go to a temporary file that is then renamed, so a reader never sees a
+half-written entry. A cache directory that cannot be written is not an error: the result is
+simply not cached. Pure standard library plus :class:`cerar.Code`.
+
+The directory is ``$CERAR_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/cerar``, else
+``~/.cache/cerar``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from cerar.coding.code import Code
+
+__all__ = ["cache_dir", "cached_code", "entry_path"]
+
+ENV_VAR = "CERAR_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """The cache directory (not created here)."""
+    explicit = os.environ.get(ENV_VAR)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "cerar"
+
+
+def _canonical(key: Mapping[str, Any]) -> str:
+    return json.dumps(dict(key), sort_keys=True, separators=(",", ":"))
+
+
+def entry_path(kind: str, key: Mapping[str, Any]) -> Path:
+    """Where the entry of ``kind`` (a short word, e.g. ``"optimized"``) with ``key`` lives."""
+    digest = hashlib.sha256(_canonical(key).encode()).hexdigest()[:32]
+    return cache_dir() / f"{kind}-{digest}.json"
+
+
+def _load(path: Path, key: Mapping[str, Any]) -> tuple[Code, dict[str, Any]] | None:
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("key") != json.loads(_canonical(key)):
+            return None
+        code = Code.from_dict(data["code"])
+        extra = data.get("extra", {})
+        return (code, extra) if isinstance(extra, dict) else None
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        # Missing, unreadable, corrupt or stale: a miss, never a crash.
+        return None
+
+
+def _store(path: Path, key: Mapping[str, Any], code: Code, extra: Mapping[str, Any]) -> None:
+    payload = json.dumps({"key": json.loads(_canonical(key)), "code": code.to_dict(), "extra": dict(extra)})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(payload)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError:
+        pass  # read-only or full disk: caching is an optimisation, not a requirement
+
+
+def cached_code(
+    kind: str,
+    key: Mapping[str, Any],
+    compute: Callable[[], tuple[Code, dict[str, Any]]],
+    *,
+    validate: Callable[[Code, dict[str, Any]], bool] | None = None,
+) -> tuple[Code, dict[str, Any], bool]:
+    """Return ``(code, extra, hit)``: the cached entry if valid, else ``compute()`` stored.
+
+    ``extra`` is a small JSON-ready dict stored beside the code (figures of merit).
+    ``validate(code, extra)`` may reject a parsed entry (e.g. wrong ``N``); rejected entries are
+    recomputed like corrupt ones.
+    """
+    path = entry_path(kind, key)
+    loaded = _load(path, key)
+    if loaded is not None and (validate is None or validate(*loaded)):
+        return loaded[0], loaded[1], True
+    code, extra = compute()
+    _store(path, key, code, extra)
+    return code, extra, False

@@ -1,0 +1,168 @@
+"""The ring over torch.distributed point-to-point ops: who talks to whom, scratch memory, and a
+pipelined round engine that both algorithms of :mod:`cerar.comm.algorithms` run on.
+
+Every round of a ring algorithm sends one packet to the next rank and receives one from the
+previous; round ``t+1``'s packet depends on round ``t``'s only column by column. :func:`run_rounds`
+therefore cuts each packet into column segments and keeps the link busy: segment ``s`` of round
+``t+1`` is prepared and posted as soon as segment ``s`` of round ``t`` has arrived, while the
+other segments are still on the wire. Receives are posted before sends (Gloo's send waits for
+the peer's receive). Device-agnostic: CPU tensors on Gloo, CUDA tensors on NCCL.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cerar.comm.stats import CommStats
+
+
+class Workspace:
+    """Named scratch buffers reused across calls.
+
+    Fresh multi-megabyte allocations cost more than the arithmetic done in them (every page is
+    faulted in on first touch), so buffers are kept and only grown. ``held_bytes`` is what the
+    workspace holds now: the collective's extra memory beyond the caller's tensor.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, str(device))
+        size = math.prod(shape)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.empty(size, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:size].view(shape)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+#: One workspace for the process: all cerar calls run on one communication thread.
+WORKSPACE = Workspace()
+
+
+@dataclass(frozen=True)
+class Ring:
+    """This rank's place on a one-directional ring over ``group`` (group-local numbering)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    send_to: int  # global rank of rank + 1
+    recv_from: int  # global rank of rank - 1
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None) -> Ring | None:
+        """The ring of the calling process over ``group``, or None if it is not a member."""
+        rank = dist.get_rank(group)
+        if rank < 0:
+            return None
+        size = dist.get_world_size(group)
+
+        def to_global(r: int) -> int:
+            return r if group is None else dist.get_global_rank(group, r)
+
+        return cls(group, rank, size, to_global((rank + 1) % size), to_global((rank - 1) % size))
+
+
+class RingError(RuntimeError):
+    """A ring transfer failed: a neighbour died, stalled past the timeout, or closed."""
+
+
+def _ring_error(ring: Ring, round: int, exc: BaseException) -> RingError:
+    return RingError(
+        f"cerar: ring round {round} failed on group rank {ring.rank} (receiving from global "
+        f"rank {ring.recv_from}, sending to global rank {ring.send_to}): a peer died or "
+        f"stalled past the process group's timeout. Cause: {exc}"
+    )
+
+
+def _wait(work: dist.Work, ring: Ring, round: int) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise _ring_error(ring, round, exc) from exc
+
+
+def _post(op: Callable[..., dist.Work], tensor: torch.Tensor, peer: int, ring: Ring, round: int) -> dist.Work:
+    # Posting to a pair whose peer has already gone raises at once rather than on wait.
+    try:
+        return op(tensor, peer, ring.group)
+    except RuntimeError as exc:
+        raise _ring_error(ring, round, exc) from exc
+
+
+_SEGMENT_BYTES = 256 * 1024
+_MAX_SEGMENTS = 16
+
+
+def segments(values: int, itemsize: int) -> list[tuple[int, int]]:
+    """Column ranges ``[a, b)`` that cut a packet of ``values`` values into pieces of about
+    256 KiB (at most 16): enough pieces to keep the link busy between rounds, few enough that
+    per-message overhead stays small."""
+    count = max(1, min(_MAX_SEGMENTS, (values * itemsize) // _SEGMENT_BYTES))
+    edges = [round(values * k / count) for k in range(count + 1)]
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+Segment = Callable[[int, int, int], torch.Tensor]
+
+
+def run_rounds(
+    ring: Ring,
+    stats: CommStats,
+    rounds: int,
+    pieces: list[tuple[int, int]],
+    prepare: Segment,
+    target: Segment,
+    received: Callable[[int, int, int], None] | None = None,
+    posted: Callable[[int], None] | None = None,
+) -> None:
+    """Run ``rounds`` ring rounds, each cut into the column ranges ``pieces``.
+
+    For round ``t`` and piece ``[a, b)``: ``prepare(t, a, b)`` returns the view to send (it may
+    read what arrived in round ``t-1`` for the same piece, which has arrived by then, and must
+    write into a buffer that alternates with the round's parity: the engine waits for round
+    ``t-2``'s send of the piece before calling it); ``target(t, a, b)`` returns the view to
+    receive into; ``received(t, a, b)`` runs once that piece has arrived; ``posted(t)`` runs
+    once all of round ``t`` is on the wire (compute placed there overlaps the transfers).
+    """
+    recvs: dict[tuple[int, int], dist.Work] = {}
+    sends: dict[tuple[int, int], dist.Work] = {}
+    for t in range(1, rounds + 1):
+        for s, (a, b) in enumerate(pieces):
+            if t > 1:
+                _wait(recvs.pop((t - 1, s)), ring, t - 1)
+                if received is not None:
+                    received(t - 1, a, b)
+            old = sends.pop((t - 2, s), None)
+            if old is not None:
+                _wait(old, ring, t - 2)
+            send = prepare(t, a, b)
+            recv = target(t, a, b)
+            recvs[(t, s)] = _post(dist.irecv, recv, ring.recv_from, ring, t)
+            sends[(t, s)] = _post(dist.isend, send, ring.send_to, ring, t)
+            stats.bytes_sent += send.numel() * send.element_size()
+            stats.bytes_received += recv.numel() * recv.element_size()
+        stats.rounds += 1
+        if posted is not None:
+            posted(t)
+    for s, (a, b) in enumerate(pieces):
+        _wait(recvs.pop((rounds, s)), ring, rounds)
+        if received is not None:
+            received(rounds, a, b)
+    for (t, _), work in sorted(sends.items()):
+        _wait(work, ring, t)

@@ -1,0 +1,141 @@
+"""The all-reduce methods ``cerar bench`` compares: one :class:`Method` entry per method.
+
+Adding a method (say ``ring-fp16``) is one entry in :data:`METHODS`: how to call it, how many
+bytes and rounds the algorithm needs in theory, and whether its transport reports the bytes it
+really sent. Nothing here imports torch at module load: the calls import it when they run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cerar.coding.code import Code
+    from cerar.comm.stats import CommStats
+
+Call = Callable[[Any, "Code | None", "CommStats | None"], None]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One all-reduce method under test.
+
+    Attributes:
+        name: the name in ``--methods``, the table and the JSON (``"builtin"``, ``"cerar"``...).
+        description: one line for ``--help`` and the README.
+        call: ``call(tensor, code, stats)`` reduces the float32 ``tensor`` in place (sum over
+            ranks); ``code`` is the method's code (``None`` unless ``coded``); ``stats``, when the
+            method has ``transport_stats``, accumulates the call's bytes and encode/decode times.
+        coded: the method takes a :class:`cerar.Code` (one series per ``c`` and construction).
+        transport_stats: the method fills a :class:`cerar.comm.stats.CommStats` (bytes measured at
+            the transport); otherwise the byte count reported is the algorithm's theory.
+        wire_bytes_per_value: bytes per value on the wire (4 for float32, 2 for a 16-bit wire).
+        traffic: values sent per rank per value reduced, as a function of ``(N, c)``.
+        rounds: sequential message rounds per call, as a function of ``(N, c)``.
+        requires: a module that must be importable for the method to exist (else it is skipped).
+    """
+
+    name: str
+    description: str
+    call: Call
+    coded: bool = False
+    transport_stats: bool = True
+    wire_bytes_per_value: float = 4.0
+    traffic: Callable[[int, int | None], float] = lambda n, c: 2.0 * (n - 1) / n
+    rounds: Callable[[int, int | None], int] = lambda n, c: 2 * (n - 1)
+    requires: str | None = "cerar.comm.collective"
+
+    def theory_bytes_per_rank(self, size_bytes: int, world_size: int, components: int | None) -> float:
+        """Bytes each rank sends for a ``size_bytes`` float32 message, in theory."""
+        values = size_bytes / 4.0
+        return values * self.traffic(world_size, components) * self.wire_bytes_per_value
+
+    def available(self) -> bool:
+        """Whether the code this method needs exists in this installation."""
+        return self.requires is None or importlib.util.find_spec(self.requires) is not None
+
+
+def _builtin(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
+
+
+def _ring(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
+    import cerar
+
+    cerar.ring_all_reduce(tensor, stats=stats)
+
+
+def _ring_16(wire: str) -> Call:
+    def call(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
+        import torch
+
+        import cerar
+
+        cerar.ring_all_reduce(tensor, wire_dtype=getattr(torch, wire), stats=stats)
+
+    return call
+
+
+def _cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
+    import cerar
+
+    cerar.all_reduce(tensor, code=code, stats=stats)
+
+
+def _cerar_traffic(n: int, c: int | None) -> float:
+    assert c is not None
+    return (c + n - 2) / c
+
+
+def _cerar_rounds(n: int, c: int | None) -> int:
+    assert c is not None
+    return c + n - 2
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "builtin",
+            "torch.distributed.all_reduce on Gloo (the baseline)",
+            _builtin,
+            transport_stats=False,
+            requires=None,
+        ),
+        Method("ring", "cerar's exact ring (reduce-scatter + all-gather) on cerar's transport", _ring),
+        Method(
+            "ring-fp16",
+            "the exact ring sending float16 (power-of-two scaled), accumulating in float32",
+            _ring_16("float16"),
+            wire_bytes_per_value=2.0,
+        ),
+        Method(
+            "ring-bf16",
+            "the exact ring sending bfloat16, accumulating in float32",
+            _ring_16("bfloat16"),
+            wire_bytes_per_value=2.0,
+        ),
+        Method(
+            "cerar",
+            "CERAR, one series per c and construction",
+            _cerar,
+            coded=True,
+            traffic=_cerar_traffic,
+            rounds=_cerar_rounds,
+        ),
+    )
+}
+BASELINE = "builtin"
+
+
+def get_method(name: str) -> Method:
+    """The registered method called ``name``."""
+    if name not in METHODS:
+        listed = ", ".join(repr(m) for m in METHODS)
+        raise ValueError(f"Argument 'methods' must name methods among {listed}, not {name!r}.")
+    return METHODS[name]

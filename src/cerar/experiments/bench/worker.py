@@ -1,0 +1,170 @@
+"""One rank of ``cerar bench``: ``python -m cerar.experiments.bench.worker CONFIG.json``.
+
+Started by :func:`cerar.harness.launch.launch` (which sets ``RANK``, ``WORLD_SIZE``, ``MASTER_*``). For
+each case of the config (a method, its code, a message size) the rank runs, in the nccl-tests
+manner: warm-up iterations, then timed iterations with a barrier before each; an iteration's time
+is the slowest rank's. A separate pass afterwards checks the result against the exact sum, so
+the check never sits inside the timed loop. Rank 0 writes the records to the config's ``out``
+path after every case (a later failure keeps the earlier results) and prints progress lines
+``@@cerar-bench progress DONE TOTAL LABEL`` that the driver turns into a progress bar.
+
+Config keys: ``world_size``, ``seed``, ``warmup``, ``iters``, ``out`` and ``cases``, a list of
+``{"method", "size_bytes", "components", "construction", "code"}`` (``code`` a
+:meth:`cerar.Code.to_dict`, or null).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PROGRESS = "@@cerar-bench progress"
+
+
+def _tx_bytes() -> int | None:
+    """Bytes this rank's namespace link has sent so far (slow regime only; headers included)."""
+    ifname = os.environ.get("CERAR_IFNAME")
+    if not ifname:
+        return None
+    try:
+        return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _inputs(values: int, seed: int, rank: int) -> Any:
+    """Rank ``rank``'s input: i.i.d. standard normal float32, reproducible on every rank."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    return torch.randn(values, generator=generator, dtype=torch.float32)
+
+
+def _exact_sum(values: int, seed: int, world_size: int) -> Any:
+    """The exact sum of every rank's input in float64, recomputed locally (no communication)."""
+    import torch
+
+    total = torch.zeros(values, dtype=torch.float64)
+    for rank in range(world_size):
+        total += _inputs(values, seed, rank).to(torch.float64)
+    return total
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.done, self.total, self.enabled = 0, total, enabled
+
+    def tick(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            print(f"{PROGRESS} {self.done} {self.total} {label}", flush=True)
+
+
+def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, progress: _Progress) -> dict:
+    """Time one case on this rank and return the raw, cross-rank-reduced figures (all ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    from cerar.coding.code import Code
+    from cerar.comm.stats import CommStats
+    from cerar.experiments.bench.methods import get_method
+
+    method = get_method(case["method"])
+    code = Code.from_dict(case["code"]) if case.get("code") else None
+    warmup, iters = int(config["warmup"]), int(config["iters"])
+    label = f"{method.name}" + (f" c={case['components']}" if method.coded else "") + f" {case['size_bytes'] >> 10}K"
+    buf = torch.empty_like(x)
+    times, encode, decode, sent, wire = [], [], [], [], []
+    for it in range(warmup + iters):
+        buf.copy_(x)
+        stats = CommStats() if method.transport_stats else None
+        tx_before = _tx_bytes()
+        dist.barrier()
+        started = time.perf_counter()
+        method.call(buf, code, stats)
+        elapsed = time.perf_counter() - started
+        tx_after = _tx_bytes()
+        if it >= warmup:
+            times.append(elapsed)
+            if stats is not None:
+                encode.append(stats.encode_s)
+                decode.append(stats.decode_s)
+                sent.append(stats.bytes_sent)
+            if tx_before is not None and tx_after is not None:
+                wire.append(tx_after - tx_before)
+        progress.tick(label)
+
+    # The accuracy pass: same input, untimed, compared with the exact float64 sum.
+    buf.copy_(x)
+    method.call(buf, code, None)
+    diff = torch.linalg.vector_norm(buf.to(torch.float64) - exact)
+    error = float(diff / torch.linalg.vector_norm(exact))
+    progress.tick(label)
+
+    def reduce_max(values: Sequence[float]) -> list[float]:
+        if not values:
+            return []
+        tensor = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    errors = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(errors, torch.tensor([error], dtype=torch.float64))
+    return {
+        "case": case,
+        "times_s": reduce_max(times),  # per iteration, the slowest rank
+        "encode_s": reduce_max(encode),
+        "decode_s": reduce_max(decode),
+        "bytes_sent": reduce_max(sent),
+        "wire_bytes": reduce_max(wire),
+        "rel_errors": [float(e.item()) for e in errors],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m cerar.experiments.bench.worker CONFIG.json", file=sys.stderr)
+        return 2
+    config = json.loads(Path(args[0]).read_text())
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # several ranks share two cores: one thread each
+    dist.init_process_group("gloo")
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        cases = config["cases"]
+        per_case = int(config["warmup"]) + int(config["iters"]) + 1
+        progress = _Progress(per_case * len(cases), enabled=rank == 0)
+        seed = int(config["seed"])
+        records: list[dict] = []
+        current_size, x, exact = None, None, None
+        # Cases come sorted by size: one input and one exact sum per size.
+        for case in cases:
+            if case["size_bytes"] != current_size:
+                current_size = case["size_bytes"]
+                values = current_size // 4
+                x, exact = None, None  # free the previous size first
+                x = _inputs(values, seed, rank)
+                exact = _exact_sum(values, seed, world_size)
+            records.append(run_case(case, config, x, exact, progress))
+            if rank == 0:
+                tmp = Path(config["out"] + ".tmp")
+                tmp.write_text(json.dumps(records))
+                tmp.replace(config["out"])  # atomic: the driver never reads half a file
+        dist.barrier()
+    finally:
+        # Without it Gloo may abort the process at interpreter exit.
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Capture real per-rank gradients of the ``cerar train`` model at chosen points of training.
+
+The accuracy study (:mod:`cerar.experiments.study.gradients`) needs what an all-reduce really receives: the
+``N`` local gradients of one step, each computed on its rank's own batch, before any averaging.
+This module trains the GPT-NeoX model of ``cerar train`` data-parallel with *exact* averaging
+(DDP's built-in all-reduce), with the same data partition and order (:func:`cerar.experiments.train.data.train_batch`),
+optimiser (AdamW, Pythia's decay groups, betas ``(0.9, 0.95)``), learning-rate schedule
+(:func:`cerar.experiments.train.loop.lr_factor`) and gradient clipping as :func:`cerar.experiments.train.loop.train`.
+At each capture step ``s`` every rank computes its local flattened gradient on its batch of step
+``s`` with the parameters held *before* update ``s`` (:func:`cerar.experiments.train.model.local_gradient`,
+no communication) and rank 0 gathers them. Step ``steps`` (after the last update) is a valid
+capture step: it uses the batch that step ``steps`` would train on.
+
+Three ways to run it:
+
+* :func:`capture_rank`: in a process that already joined a process group (tests use it with
+  ``tests/multirank.run_ranks``);
+* ``python -m cerar.experiments.study.capture --out PATH ...``: one rank under :func:`cerar.harness.launch.launch`
+  or ``torchrun`` (rendezvous from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
+  rank 0 writes the ``.npz``;
+* :func:`capture_gradients`: launches that command on ``N`` local ranks (fast regime) and loads
+  the result.
+
+The ``.npz`` file (see :func:`save_capture`) holds ``gradients`` ``(P, N, d)`` float32 (capture
+point, rank, parameter), ``steps`` ``(P,)``, ``losses`` ``(P, N)`` (each rank's local loss at the
+capture) and ``config``, the :class:`~cerar.experiments.train.config.TrainConfig` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cerar._checks import check_float, check_int
+from cerar.experiments.train.config import ModelConfig, TrainConfig, add_config_arguments, config_from_args
+
+__all__ = [
+    "Capture",
+    "capture_gradients",
+    "capture_rank",
+    "check_capture_steps",
+    "default_capture_steps",
+    "load_capture",
+    "main",
+    "save_capture",
+]
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Captured per-rank gradients.
+
+    Attributes:
+        steps: the training step of each capture point (``0`` = initial weights).
+        gradients: ``(P, N, d)`` float32, ``gradients[p, i]`` = rank ``i``'s local gradient at
+            ``steps[p]``.
+        losses: ``(P, N)`` each rank's local loss on its batch at that point.
+        config: the training run's settings (method ``allreduce``: exact averaging).
+    """
+
+    steps: tuple[int, ...]
+    gradients: np.ndarray
+    losses: np.ndarray
+    config: TrainConfig
+
+    @property
+    def world_size(self) -> int:
+        return int(self.gradients.shape[1])
+
+    @property
+    def size(self) -> int:
+        """``d``, the number of model parameters."""
+        return int(self.gradients.shape[2])
+
+
+def default_capture_steps(steps: int) -> tuple[int, ...]:
+    """Start, middle and end of a run of ``steps`` updates: ``(0, steps // 2, steps)``."""
+    steps = check_int("steps", steps, minimum=1)
+    return tuple(sorted({0, steps // 2, steps}))
+
+
+def check_capture_steps(capture_steps: Sequence[int], steps: int) -> tuple[int, ...]:
+    """``capture_steps`` as a sorted tuple after checking each is an integer in ``[0, steps]``
+    and that none repeats."""
+    if isinstance(capture_steps, (str, bytes)) or not isinstance(capture_steps, Sequence):
+        raise TypeError(f"Argument 'capture_steps' must be a sequence of integers, not {capture_steps!r}.")
+    if not capture_steps:
+        raise ValueError(f"Argument 'capture_steps' must hold at least one step, not {capture_steps!r}.")
+    values = [check_int("capture_steps", s, minimum=0) for s in capture_steps]
+    for value in values:
+        if value > steps:
+            raise ValueError(f"Argument 'capture_steps' must hold steps of at most steps={steps}, not {value}.")
+    if len(set(values)) != len(values):
+        raise ValueError(f"Argument 'capture_steps' must not repeat a step, not {list(capture_steps)!r}.")
+    return tuple(sorted(values))
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+def capture_rank(
+    config: TrainConfig,
+    capture_steps: Sequence[int],
+    progress: Callable[[int, int, float], None] | None = None,
+) -> Capture | None:
+    """Train on the initialised default process group and capture local gradients.
+
+    Args:
+        config: the run (``config.method`` is ignored: averaging is always DDP's exact one).
+        capture_steps: steps in ``[0, config.steps]`` at which to capture.
+        progress: called on rank 0 as ``progress(step, steps, loss)`` after every update.
+
+    Returns:
+        On rank 0 the :class:`Capture` of every rank; ``None`` on the other ranks.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from cerar.experiments.train.data import load_split, train_batch
+    from cerar.experiments.train.loop import NO_BUFFER_SYNC, lr_factor
+    from cerar.experiments.train.model import build_model, lm_loss, local_gradient, parameter_groups
+
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"Argument 'config' must be a TrainConfig, not {type(config).__name__}.")
+    wanted = check_capture_steps(capture_steps, config.steps)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    split = load_split()
+    module = build_model(config.model, config.seed)
+    model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb, **NO_BUFFER_SYNC)
+    optimizer = torch.optim.AdamW(
+        parameter_groups(module, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+
+    def batch(step: int) -> torch.Tensor:
+        return train_batch(split, step, rank, world_size, config.batch_size, config.model.seq_len, config.seed)
+
+    gathered: list[np.ndarray] = []
+    losses: list[np.ndarray] = []
+    for step in range(config.steps + 1):
+        if step in wanted:
+            tokens = batch(step)
+            gradient = local_gradient(module, tokens).detach().float().contiguous()
+            with torch.no_grad():
+                loss = torch.tensor([float(lm_loss(module, tokens))])
+            gathered.append(_gather(gradient, rank, world_size))
+            losses.append(_gather(loss, rank, world_size)[:, 0])
+        if step == config.steps:
+            break
+        loss_value = lm_loss(model, batch(step))
+        loss_value.backward()
+        norm = torch.nn.utils.clip_grad_norm_(
+            module.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf
+        )
+        if bool(torch.isfinite(norm)):  # as the training loop: skip a non-finite update
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if progress is not None and rank == 0:
+            progress(step + 1, config.steps, float(loss_value.detach()))
+    if rank != 0:
+        return None
+    return Capture(steps=wanted, gradients=np.stack(gathered), losses=np.stack(losses), config=config)
+
+
+def _gather(tensor: Any, rank: int, world_size: int) -> np.ndarray:
+    """Rank 0 gets the ``(N, len)`` stack of every rank's 1-D ``tensor``; others an empty array."""
+    import torch
+    import torch.distributed as dist
+
+    if rank == 0:
+        rows = [torch.empty_like(tensor) for _ in range(world_size)]
+        dist.gather(tensor, rows, dst=0)
+        return torch.stack(rows).numpy()
+    dist.gather(tensor, None, dst=0)
+    return np.empty((0, tensor.numel()), dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+def save_capture(capture: Capture, path: Path | str) -> Path:
+    """Write ``capture`` as an ``.npz`` (atomically: a temporary file, then a rename)."""
+    if not isinstance(capture, Capture):
+        raise TypeError(f"Argument 'capture' must be a Capture, not {type(capture).__name__}.")
+    path = _check_path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".npz", dir=path.parent)
+    os.close(fd)
+    try:
+        np.savez(
+            tmp,
+            gradients=capture.gradients.astype(np.float32),
+            steps=np.asarray(capture.steps, dtype=np.int64),
+            losses=capture.losses.astype(np.float64),
+            config=np.array(capture.config.to_json()),
+        )
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_capture(path: Path | str) -> Capture:
+    """Read a file written by :func:`save_capture` (ValueError if it is not one)."""
+    path = _check_path(path)
+    if not path.is_file():
+        raise ValueError(f"Argument 'path' must name an existing capture file, not {str(path)!r}.")
+    with np.load(path, allow_pickle=False) as data:
+        missing = {"gradients", "steps", "losses", "config"} - set(data.files)
+        if missing:
+            raise ValueError(f"Argument 'path' is not a gradient capture ({str(path)!r} lacks {sorted(missing)}).")
+        gradients = data["gradients"]
+        steps = tuple(int(s) for s in data["steps"])
+        losses = data["losses"]
+        config = TrainConfig.from_json(str(data["config"]))
+    if gradients.ndim != 3 or gradients.shape[0] != len(steps) or gradients.shape[1] < 2:
+        raise ValueError(f"Argument 'path' holds gradients of shape {gradients.shape}, not (P, N >= 2, d).")
+    return Capture(steps=steps, gradients=gradients, losses=losses, config=config)
+
+
+def _check_path(path: Path | str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"Argument 'path' must be a path, not {path!r}.")
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching
+def capture_gradients(
+    world_size: int,
+    steps: int,
+    capture_steps: Sequence[int] | None,
+    model_config: ModelConfig | None,
+    out_path: Path | str,
+    *,
+    batch_size: int = 8,
+    seed: int = 0,
+    timeout_s: float = 1800.0,
+    on_line: Callable[[int, str, str], None] | None = None,
+) -> Capture:
+    """Run the capture on ``world_size`` local ranks (:func:`cerar.harness.launch.launch`, fast regime),
+    write it to ``out_path`` and return it.
+
+    Args:
+        world_size: ``N`` (at least 2).
+        steps: training updates (the learning-rate schedule spans them, as in ``cerar train``).
+        capture_steps: steps in ``[0, steps]``; ``None``: :func:`default_capture_steps`.
+        model_config: the model (``None``: :class:`ModelConfig`'s default, 0.86 M parameters).
+        out_path: the ``.npz`` to write.
+        batch_size: sequences per rank per step.
+        seed: initial weights and data order.
+        timeout_s: limit for the ranks' run.
+        on_line: forwarded to :func:`cerar.harness.launch.launch` (progress lines from rank 0 look like
+            ``cerar-capture STEP STEPS LOSS``).
+    """
+    from cerar.harness.launch import launch
+
+    world_size = check_int("world_size", world_size, minimum=2)
+    steps = check_int("steps", steps, minimum=1)
+    wanted = default_capture_steps(steps) if capture_steps is None else check_capture_steps(capture_steps, steps)
+    model_config = ModelConfig() if model_config is None else model_config
+    if not isinstance(model_config, ModelConfig):
+        raise TypeError(f"Argument 'model_config' must be a ModelConfig, not {type(model_config).__name__}.")
+    out_path = _check_path(out_path)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    seed = check_int("seed", seed, minimum=0)
+    timeout_s = check_float("timeout_s", timeout_s, positive=True)
+    argv = [
+        sys.executable, "-m", "cerar.experiments.study.capture",
+        "--out", str(out_path.resolve()),
+        "--steps", str(steps),
+        "--batch-size", str(batch_size),
+        "--seed", str(seed),
+        "--capture-steps", *[str(s) for s in wanted],
+        "--layers", str(model_config.layers),
+        "--hidden", str(model_config.hidden),
+        "--heads", str(model_config.heads),
+        "--seq-len", str(model_config.seq_len),
+        "--rotary-pct", repr(model_config.rotary_pct),
+        "--progress",
+    ]  # fmt: skip
+    # The warm-up must fit in short runs (TrainConfig's default is 30 steps).
+    argv += ["--warmup-steps", str(min(TrainConfig().warmup_steps, max(steps // 10, 1)))]
+    launch(argv, world_size, regime="fast", timeout_s=timeout_s, on_line=on_line)
+    return load_capture(out_path)
+
+
+PROGRESS_PREFIX = "cerar-capture"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cerar.experiments.study.capture",
+        description="One rank: train with exact averaging and capture per-rank gradients.",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="rank 0 writes the .npz here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--capture-steps", type=int, nargs="+", default=None,
+                        help="steps in [0, steps] (default: 0, steps // 2, steps)")
+    parser.add_argument("--progress", action="store_true", help="rank 0 prints 'cerar-capture STEP STEPS LOSS'")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="Gloo timeout for one collective")
+    add_config_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of one rank (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(1)  # several ranks share the cores: intra-op threads would only fight
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    try:
+        config = config_from_args(args, "allreduce", args.seed, dist.get_world_size())
+        wanted = default_capture_steps(config.steps) if args.capture_steps is None else args.capture_steps
+
+        def report(step: int, steps: int, loss: float) -> None:
+            print(f"{PROGRESS_PREFIX} {step} {steps} {loss:.4f}", flush=True)
+
+        capture = capture_rank(config, wanted, report if args.progress else None)
+        if capture is not None:
+            save_capture(capture, args.out)
+            print(json.dumps({"out": str(args.out), "steps": list(capture.steps), "size": capture.size}))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

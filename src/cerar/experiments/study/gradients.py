@@ -1,0 +1,253 @@
+"""Each method's error on real gradients, beside the same figures on i.i.d. data.
+
+Input: the per-rank gradients of one or more training points (``(N, d)`` each, e.g. from
+:mod:`cerar.experiments.study.capture`). For every method it measures, by simulation of all ranks:
+
+* CERAR with ``c = k N`` for each multiple ``k`` (default ``2, 3``) and each construction
+  (``perturbed``, ``optimized``, ``vandermonde``; codes tuned for float32 packets, mixed decoder),
+  float32 packets (:func:`cerar.protocol.simulate`);
+* the exact ring with float32, float16 (power-of-two scaled) and bfloat16 wires
+  (:func:`cerar.protocol.simulate_ring`, bit for bit the real ``ring_all_reduce``);
+
+and reports bytes sent per gradient element per rank (CERAR ``4 (1 + (N-2)/c)``, ring
+``itemsize x 2 (N-1)/N``), the worst-rank and mean-rank relative error
+``||S_hat_j - S|| / ||S||``, on each training point and on i.i.d. standard normal inputs of the
+same ``(N, d)``. To show how much the ranks' gradients share, each data set also gets its
+*common-part fraction* ``||mean_i g_i||^2 / mean_i ||g_i||^2`` (1: identical gradients; ``1/N``:
+orthogonal ones of equal norm, as i.i.d. data), the smallest pairwise cosine, and the spread of
+magnitudes (``max |g|`` over the RMS), which decides what a 16-bit wire loses to rounding and
+underflow.
+
+Pure numpy; matplotlib is imported by :func:`plot_gradient_study` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cerar._checks import check_int
+from cerar.coding import codes
+from cerar.coding.code import Code
+from cerar.coding.precision import ITEMSIZE
+from cerar.experiments.study.synthetic import iid_inputs
+from cerar.protocol.simulate import SimulationResult, simulate
+from cerar.protocol.simulate_ring import simulate_ring
+
+__all__ = [
+    "CONSTRUCTIONS",
+    "RING_WIRES",
+    "build_code",
+    "data_statistics",
+    "gradient_study",
+    "method_table",
+    "plot_gradient_study",
+]
+
+CONSTRUCTIONS: tuple[str, ...] = ("perturbed", "optimized", "vandermonde")
+RING_WIRES: tuple[str, ...] = ("fp32", "fp16", "bf16")
+IID = "i.i.d."
+
+
+def build_code(construction: str, world_size: int, components: int) -> Code:
+    """The float32-packet code of ``construction`` (parameters chosen by the library)."""
+    if construction == "perturbed":
+        return codes.perturbed(world_size, components, None, "fp32")
+    if construction == "optimized":
+        return codes.optimized(world_size, components, "fp32")
+    if construction == "vandermonde":
+        return codes.vandermonde(world_size, components, None, "fp32")
+    listed = ", ".join(repr(c) for c in CONSTRUCTIONS)
+    raise ValueError(f"Argument 'construction' must be one of {listed}, not {construction!r}.")
+
+
+def data_statistics(inputs: np.ndarray) -> dict[str, float]:
+    """How shared and how spread the ``(N, d)`` inputs are (see the module docstring)."""
+    rows = np.asarray(inputs, dtype=np.float64)
+    mean_sq = float(np.mean(np.sum(rows**2, axis=1)))
+    common = float(np.sum(rows.mean(axis=0) ** 2) / mean_sq) if mean_sq > 0 else float("nan")
+    norms = np.linalg.norm(rows, axis=1)
+    cosines = (rows @ rows.T) / np.outer(norms, norms)
+    off = cosines[~np.eye(len(rows), dtype=bool)]
+    rms = float(np.sqrt(np.mean(rows**2)))
+    return {
+        "common_fraction": common,
+        "min_cosine": float(off.min()),
+        "mean_cosine": float(off.mean()),
+        "rank_norms": norms.tolist(),
+        "sum_norm": float(np.linalg.norm(rows.sum(axis=0))),
+        "max_abs_over_rms": float(np.max(np.abs(rows)) / rms) if rms > 0 else float("nan"),
+        "zero_fraction": float(np.mean(rows == 0)),
+    }
+
+
+def _errors(result: SimulationResult) -> dict[str, Any]:
+    per_rank = result.relative_errors
+    return {"worst": float(per_rank.max()), "mean": float(per_rank.mean()), "per_rank": per_rank.tolist()}
+
+
+def _check_datasets(datasets: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    if not isinstance(datasets, Mapping) or not datasets:
+        raise TypeError(f"Argument 'datasets' must be a non-empty mapping of name -> (N, d) array, not {datasets!r}.")
+    checked: dict[str, np.ndarray] = {}
+    shapes = set()
+    for name, value in datasets.items():
+        if not isinstance(name, str) or name == IID:
+            raise ValueError(f"Argument 'datasets' must have string names other than {IID!r}, not {name!r}.")
+        array = np.asarray(value)
+        if not np.issubdtype(array.dtype, np.floating):
+            raise TypeError(f"Argument 'datasets' must hold float arrays, not dtype {array.dtype} ({name!r}).")
+        if array.ndim != 2 or array.shape[0] < 2 or array.shape[1] < 1:
+            raise ValueError(f"Argument 'datasets' must hold (N >= 2, d) arrays, not shape {array.shape} ({name!r}).")
+        if not np.all(np.isfinite(array)):
+            raise ValueError(f"Argument 'datasets' must hold finite values ({name!r} does not).")
+        checked[name] = array
+        shapes.add(array.shape)
+    if len(shapes) != 1:
+        raise ValueError(f"Argument 'datasets' must hold arrays of one shape, not {sorted(shapes)}.")
+    return checked
+
+
+def gradient_study(
+    datasets: Mapping[str, Any],
+    *,
+    multiples: Sequence[int] = (2, 3),
+    constructions: Sequence[str] = CONSTRUCTIONS,
+    ring_wires: Sequence[str] = RING_WIRES,
+    seed: int = 0,
+    info: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Measure every method on every data set and on i.i.d. normal inputs of the same shape.
+
+    Args:
+        datasets: name -> ``(N, d)`` per-rank inputs (e.g. ``{"step 0": ..., "step 75": ...}``),
+            all of one shape; the i.i.d. set is added under the name ``"i.i.d."``.
+        multiples: CERAR's ``c = k N`` for each ``k`` (integers, at least 1).
+        constructions: a subset of :data:`CONSTRUCTIONS`.
+        ring_wires: a subset of :data:`RING_WIRES`.
+        seed: the i.i.d. inputs' seed.
+        info: copied into the result under ``"info"`` (e.g. the capture's settings).
+
+    Returns:
+        A JSON-ready dict: ``world_size``, ``size``, ``datasets`` (names in order, i.i.d. first),
+        ``statistics`` (per data set, :func:`data_statistics`) and ``methods``: a list of
+        ``{label, kind, construction, components, wire, bytes_per_element, cond, parameter,
+        errors: {data set: {worst, mean, per_rank}}}``.
+    """
+    data = _check_datasets(datasets)
+    multiples = [check_int("multiples", k, minimum=1) for k in multiples]
+    for construction in constructions:
+        if construction not in CONSTRUCTIONS:
+            raise ValueError(f"Argument 'constructions' must hold names from {CONSTRUCTIONS}, not {construction!r}.")
+    for wire in ring_wires:
+        if wire not in RING_WIRES:
+            raise ValueError(f"Argument 'ring_wires' must hold names from {RING_WIRES}, not {wire!r}.")
+    seed = check_int("seed", seed, minimum=0)
+    n_ranks, size = next(iter(data.values())).shape
+    # float32 first: that is what the collective receives (gradients are float32 already).
+    all_sets = {IID: iid_inputs(n_ranks, size, seed).astype(np.float32)}
+    all_sets.update({name: array.astype(np.float32) for name, array in data.items()})
+
+    methods: list[dict[str, Any]] = []
+    for k in multiples:
+        for construction in constructions:
+            code = build_code(construction, n_ranks, k * n_ranks)
+            methods.append({
+                "label": f"cerar {construction} c={k * n_ranks}",
+                "kind": "cerar",
+                "construction": construction,
+                "components": k * n_ranks,
+                "wire": "fp32",
+                "bytes_per_element": ITEMSIZE["fp32"] * code.comm_rate,
+                "cond": float(np.max(code.cond)),
+                "parameter": {key: v for key, v in code.params.items() if isinstance(v, (int, float, str))},
+                "errors": {name: _errors(simulate(code, x, "fp32")) for name, x in all_sets.items()},
+            })
+    for wire in ring_wires:
+        methods.append({
+            "label": f"ring {wire}",
+            "kind": "ring",
+            "construction": None,
+            "components": None,
+            "wire": wire,
+            "bytes_per_element": ITEMSIZE[wire] * 2 * (n_ranks - 1) / n_ranks,
+            "cond": 1.0,
+            "parameter": {},
+            "errors": {name: _errors(simulate_ring(x, wire)) for name, x in all_sets.items()},
+        })
+    return {
+        "world_size": int(n_ranks),
+        "size": int(size),
+        "seed": seed,
+        "datasets": list(all_sets),
+        "statistics": {name: data_statistics(x) for name, x in all_sets.items()},
+        "methods": methods,
+        "info": dict(info or {}),
+    }
+
+
+def method_table(study: Mapping[str, Any], statistic: str = "worst") -> str:
+    """A Markdown table: one row per method, bytes per element and ``statistic`` ("worst" or
+    "mean" rank error) on every data set, then the data sets' common-part fractions."""
+    if statistic not in ("worst", "mean"):
+        raise ValueError(f"Argument 'statistic' must be 'worst' or 'mean', not {statistic!r}.")
+    names = list(study["datasets"])
+    head = "| method | bytes/elem | " + " | ".join(names) + " |"
+    rule = "|---|---|" + "---|" * len(names)
+    lines = [head, rule]
+    for m in study["methods"]:
+        cells = " | ".join(f"{m['errors'][n][statistic]:.2e}" for n in names)
+        lines.append(f"| {m['label']} | {m['bytes_per_element']:.3f} | {cells} |")
+    common = " | ".join(f"{study['statistics'][n]['common_fraction']:.3f}" for n in names)
+    lines.append(f"| common-part fraction | | {common} |")
+    return "\n".join(lines)
+
+
+def plot_gradient_study(study: Mapping[str, Any], path: Path | str) -> None:
+    """Worst-rank error (log) against bytes per element: one marker per method, one colour
+    per data set (i.i.d. and each training point), CERAR points of one construction joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers = {"perturbed": "o", "optimized": "s", "vandermonde": "D", "fp32": "*", "fp16": "^", "bf16": "v"}
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    for d_index, name in enumerate(study["datasets"]):
+        colour = colours[d_index % len(colours)]
+        for construction in CONSTRUCTIONS:
+            pts = sorted(
+                (m["bytes_per_element"], m["errors"][name]["worst"])
+                for m in study["methods"]
+                if m["construction"] == construction
+            )
+            if pts:
+                x, y = zip(*pts, strict=True)
+                ax.plot(x, np.maximum(y, 1e-12), color=colour, marker=markers[construction], linestyle="-",
+                        alpha=0.8)
+        for m in study["methods"]:
+            if m["kind"] == "ring":
+                ax.plot(m["bytes_per_element"], max(m["errors"][name]["worst"], 1e-12), color=colour,
+                        marker=markers[m["wire"]], markersize=10 if m["wire"] == "fp32" else 8, linestyle="none")
+        common = study["statistics"][name]["common_fraction"]
+        ax.plot([], [], color=colour, linewidth=6, label=f"{name} (common {common:.2f})")
+    # Legend: markers (methods) in black, colours (data sets) as bars.
+    shown = {m["construction"] or m["wire"]: m["label"].rsplit(" c=", 1)[0] for m in study["methods"]}
+    for key, label in shown.items():
+        ax.plot([], [], color="black", marker=markers[key], linestyle="-" if key in CONSTRUCTIONS else "none",
+                label=label)
+    ax.set_yscale("log")
+    ax.set(
+        xlabel="bytes sent per gradient element per rank",
+        ylabel="worst-rank relative error ||S_hat_j - S|| / ||S||",
+        title=f"Real gradients vs i.i.d., N = {study['world_size']}, d = {study['size']:,}",
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,180 @@
+"""The training loop of one rank: DDP + a method's hook, AdamW with warm-up and cosine decay.
+
+Per step it records the local loss, the phases' durations (forward; backward's compute;
+exposed communication from the :class:`~cerar.experiments.train.timeline.Timeline`; the rest of
+``backward()``; optimizer, re-sync included), the bytes this rank sent and the hook's
+encode/decode time. Every ``eval_every`` steps (and after the last) it measures the validation
+loss and :func:`cerar.comm.ddp.replica_divergence`; evaluation time is kept out of training time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from cerar.comm.ddp import replica_divergence
+from cerar.experiments.train.config import TrainConfig
+from cerar.experiments.train.data import Split, load_split, train_batch, validation_batch
+from cerar.experiments.train.methods import install
+from cerar.experiments.train.model import build_model, lm_loss, parameter_groups
+from cerar.experiments.train.timeline import Timeline
+
+__all__ = ["lr_factor", "train"]
+
+Progress = Callable[[int, int, float], None]
+
+# The model's only buffers are rotary constants, equal on every rank: no per-forward broadcast.
+# torch 2.13 renamed the option (``broadcast_buffers`` is deprecated there).
+NO_BUFFER_SYNC: dict[str, bool] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Learning-rate multiplier at ``step``: linear warm-up, then cosine to ``min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(config: TrainConfig, progress: Progress | None = None, split: Split | None = None) -> dict[str, Any]:
+    """Train on the initialised default process group; return this rank's record (a dict)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    split = split if split is not None else load_split()
+    module = build_model(config.model, config.seed)
+    model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb, **NO_BUFFER_SYNC)
+    timeline = Timeline(module)
+    method = install(config, model, timeline)
+    optimizer = torch.optim.AdamW(
+        parameter_groups(module, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+    val_tokens = validation_batch(split, config.eval_sequences, config.model.seq_len)[rank::world_size]
+
+    steps: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
+    train_time = 0.0
+    skipped = 0
+    evals.append(_evaluate(model, val_tokens, 0, train_time))
+    before = method.counters()
+    for step in range(config.steps):
+        tokens = train_batch(split, step, rank, world_size, config.batch_size, config.model.seq_len, config.seed)
+        timeline.begin()
+        start = time.perf_counter()
+        loss = lm_loss(model, tokens)
+        forward_end = time.perf_counter()
+        loss.backward()
+        backward_end = time.perf_counter()
+        compute_end = timeline.compute_end or backward_end
+        exposed = timeline.exposed()
+        norm = torch.nn.utils.clip_grad_norm_(
+            module.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf
+        )
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            optimizer.step()
+        else:
+            skipped += 1  # a non-finite averaged gradient: skip the update, as a loss scaler would
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        resynced = method.after_step(module)
+        end = time.perf_counter()
+        train_time += end - start
+        after = method.counters()
+        steps.append(
+            {
+                "loss": float(loss.detach()),
+                "step_s": end - start,
+                "forward_s": forward_end - start,
+                "backward_compute_s": max(0.0, compute_end - forward_end),
+                "exposed_comm_s": exposed,
+                "backward_s": backward_end - forward_end,
+                "optimizer_s": end - backward_end,
+                "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
+                "collectives": after["collectives"] - before["collectives"],
+                "encode_s": after["encode_s"] - before["encode_s"],
+                "decode_s": after["decode_s"] - before["decode_s"],
+                "collective_wall_s": after["collective_wall_s"] - before["collective_wall_s"],
+                "buckets": float(timeline.buckets),
+                "finite": float(finite),
+                "resynced": float(resynced),
+                "lr": scheduler.get_last_lr()[0],
+            }
+        )
+        before = after
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            evals.append(_evaluate(model, val_tokens, step + 1, train_time))
+        if progress is not None:
+            progress(step + 1, config.steps, steps[-1]["loss"])
+    return {
+        "final_divergence": _exact_divergence(module),
+        "rank": rank,
+        "world_size": world_size,
+        "method": method.name,
+        "description": method.description,
+        "bytes_measured": method.measured_bytes,
+        "method_info": method.extra,
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "steps": steps,
+        "evals": evals,
+        "train_time_s": train_time,
+        "skipped_steps": skipped,
+        "counters": method.counters(),
+    }
+
+
+def _exact_divergence(module: torch.nn.Module, top: int = 4) -> dict[str, Any]:
+    """Exact ``max_j ||theta_j - theta_0|| / ||theta_0||`` at the end of training (all parameters
+    gathered: fine at this scale), and the tensors that contribute most to it. Checks the
+    sketch estimate and shows *where* replicas drift (e.g. rows of unused byte embeddings,
+    whose true gradient is 0: Adam's normalisation turns decode noise there into full steps)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    reference = gathered[0].double()
+    diffs = torch.stack([g.double() - reference for g in gathered])  # (N, P)
+    norm0 = float(torch.linalg.vector_norm(reference))
+    total = float(torch.linalg.vector_norm(diffs, dim=1).max()) / norm0
+    per_tensor = []
+    offset = 0
+    for name, p in module.named_parameters():
+        part = diffs[:, offset : offset + p.numel()]
+        offset += p.numel()
+        per_tensor.append((float(torch.linalg.vector_norm(part, dim=1).max()) / norm0, name))
+    per_tensor.sort(reverse=True)
+    return {"exact": total, "largest": [{"name": n, "share": v} for v, n in per_tensor[:top] if v > 0]}
+
+
+def _evaluate(model: DistributedDataParallel, tokens: torch.Tensor, step: int, train_time: float) -> dict[str, float]:
+    """Validation loss (each rank scores its own replica on its slice of the fixed validation
+    set; the mean over all sequences is returned on every rank) and replica divergence."""
+    started = time.perf_counter()
+    module = model.module
+    module.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for row in range(0, len(tokens), 8):
+            batch = tokens[row : row + 8]
+            total[0] += float(lm_loss(module, batch)) * len(batch)
+            total[1] += len(batch)
+    module.train()
+    dist.all_reduce(total)
+    divergence = replica_divergence(module)
+    return {
+        "step": float(step),
+        "train_time_s": train_time,
+        "val_loss": float(total[0] / total[1]),
+        "divergence": divergence,
+        "eval_s": time.perf_counter() - started,
+    }

@@ -1,0 +1,245 @@
+"""Summaries of training runs: per-run figures, the noise yardstick, the summary table.
+
+A run's JSON (written by :mod:`cerar.experiments.train.worker`) holds every rank's record; figures here are
+means over ranks (ranks move in lock-step, so their step times agree closely) and over steps,
+leaving out the first :data:`SKIP_STEPS` steps (DDP's bucket rebuild and first-touch costs).
+
+The noise yardstick is the spread (max - min) of the final validation loss over the
+``allreduce`` runs with different seeds: a method whose final loss differs from
+``allreduce``'s by less than that is indistinguishable from it in this experiment.
+
+Predicted saving per step of a method against ``allreduce`` (or ``ring``) in the slow regime:
+``(bytes_baseline - bytes_method) / link_rate``, from the bytes each rank sends per step and
+the link rate measured by the launcher's probe. The issue's goal is a measured step-time
+saving of at least 70% of that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["RunSummary", "compare", "default_target", "format_table", "noise_spread", "summarize_run"]
+
+SKIP_STEPS = 2
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Figures of one run (per step: means over ranks and over steps after the first two)."""
+
+    label: str
+    method: str
+    seed: int
+    world_size: int
+    description: str
+    final_val_loss: float
+    time_to_target_s: float | None
+    train_time_s: float
+    step_s: float
+    forward_s: float
+    backward_compute_s: float
+    exposed_comm_s: float
+    backward_rest_s: float
+    optimizer_s: float
+    bytes_per_step: float
+    bytes_measured: bool
+    collectives_per_step: float
+    encode_s_per_step: float
+    decode_s_per_step: float
+    max_divergence: float
+    final_divergence: float
+    exact_final_divergence: float | None
+    divergence_where: str
+    load_average: float | None
+    nonfinite_events: int
+    fallbacks: int
+    resyncs: int
+    skipped_steps: int
+    parameters: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
+    """Summarise one run's JSON; ``target`` is the validation loss for :attr:`time_to_target_s`."""
+    ranks = run["ranks"]
+    first = ranks[0]
+
+    def per_step(key: str) -> float:
+        return _mean([_mean([s[key] for s in r["steps"][SKIP_STEPS:] or r["steps"]]) for r in ranks])
+
+    def all_steps(key: str) -> float:
+        return _mean([_mean([s[key] for s in r["steps"]]) for r in ranks])
+
+    evals = first["evals"]  # validation loss and divergence are the same on every rank
+    time_to_target = None
+    if target is not None:
+        reached = [e for e in evals if e["val_loss"] <= target]
+        time_to_target = _mean([_time_at(r["evals"], reached[0]["step"]) for r in ranks]) if reached else None
+    backward = per_step("backward_s")
+    compute = per_step("backward_compute_s")
+    exposed = per_step("exposed_comm_s")
+    counters = [r["counters"] for r in ranks]
+    return RunSummary(
+        label=run["label"],
+        method=first["method"],
+        seed=int(run["config"]["seed"]),
+        world_size=int(run["world_size"]),
+        description=first["description"],
+        final_val_loss=evals[-1]["val_loss"],
+        time_to_target_s=time_to_target,
+        train_time_s=_mean([r["train_time_s"] for r in ranks]),
+        step_s=per_step("step_s"),
+        forward_s=per_step("forward_s"),
+        backward_compute_s=compute,
+        exposed_comm_s=exposed,
+        backward_rest_s=max(0.0, backward - compute - exposed),
+        optimizer_s=per_step("optimizer_s"),
+        bytes_per_step=all_steps("bytes_sent"),
+        bytes_measured=bool(first["bytes_measured"]),
+        collectives_per_step=all_steps("collectives"),
+        encode_s_per_step=all_steps("encode_s"),
+        decode_s_per_step=all_steps("decode_s"),
+        max_divergence=max(e["divergence"] for e in evals),
+        final_divergence=evals[-1]["divergence"],
+        exact_final_divergence=(first.get("final_divergence") or {}).get("exact"),
+        divergence_where=", ".join(
+            f"{d['name']} {d['share']:.1e}" for d in (first.get("final_divergence") or {}).get("largest", [])[:2]
+        ),
+        load_average=_load(run),
+        nonfinite_events=int(max(c["nonfinite_events"] for c in counters)),
+        fallbacks=int(max(c["fallbacks"] for c in counters)),
+        resyncs=int(max(c["resyncs"] for c in counters)),
+        skipped_steps=int(max(r["skipped_steps"] for r in ranks)),
+        parameters=int(first["parameters"]),
+    )
+
+
+def _load(run: dict[str, Any]) -> float | None:
+    launch = run.get("launch") or {}
+    values = [launch[k] for k in ("load_average_before", "load_average_after") if k in launch]
+    return _mean(values) if values else None
+
+
+def _time_at(evals: list[dict[str, float]], step: float) -> float:
+    return next(e["train_time_s"] for e in evals if e["step"] == step)
+
+
+def noise_spread(summaries: Sequence[RunSummary], method: str = "allreduce") -> float | None:
+    """max - min final validation loss over ``method``'s seeds (None with fewer than two)."""
+    losses = [s.final_val_loss for s in summaries if s.method == method]
+    return max(losses) - min(losses) if len(losses) >= 2 else None
+
+
+def default_target(runs: Sequence[dict[str, Any]]) -> float | None:
+    """The baseline's quality: mean final validation loss of the ``allreduce`` runs plus their
+    spread (at least 0.01 nats), i.e. "as good as allreduce, within noise"."""
+    finals = [r["ranks"][0]["evals"][-1]["val_loss"] for r in runs if r["ranks"][0]["method"] == "allreduce"]
+    if not finals:
+        return None
+    return _mean(finals) + max(0.01, max(finals) - min(finals))
+
+
+def compare(
+    summaries: Sequence[RunSummary],
+    link_rate_bytes_per_s: float | None,
+    baseline: str = "allreduce",
+    only: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Each run (of the methods in ``only``, default all) against ``baseline``'s run with the
+    same seed: loss difference, measured and predicted step-time saving, and their ratio
+    (``None`` where there is no link rate)."""
+    rows = []
+    base_by_seed = {s.seed: s for s in summaries if s.method == baseline}
+    for s in summaries:
+        base = base_by_seed.get(s.seed)
+        if base is None or s.method == baseline or (only is not None and s.method not in only):
+            continue
+        measured = base.step_s - s.step_s
+        predicted = None
+        if link_rate_bytes_per_s:
+            predicted = (base.bytes_per_step - s.bytes_per_step) / link_rate_bytes_per_s
+        ratio = measured / predicted if predicted and abs(predicted) > 1e-12 else None
+        rows.append(
+            {
+                "label": s.label,
+                "baseline": base.label,
+                "val_loss_diff": s.final_val_loss - base.final_val_loss,
+                "byte_ratio": s.bytes_per_step / base.bytes_per_step if base.bytes_per_step else None,
+                "measured_saving_s": measured,
+                "predicted_saving_s": predicted,
+                "saving_ratio": ratio,
+            }
+        )
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def format_table(
+    summaries: Sequence[RunSummary],
+    *,
+    target: float | None,
+    spread: float | None,
+    comparisons: Sequence[dict[str, Any]] = (),
+    link_rate_bytes_per_s: float | None = None,
+) -> str:
+    """The summary table as text (also valid Markdown)."""
+    header = (
+        "| run | final val loss | time to target (s) | train time (s) | step (ms) | exposed comm (ms) "
+        "| bytes/step (MB) | max divergence | non-finite | resyncs |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for s in summaries:
+        kind = "measured" if s.bytes_measured else "computed"
+        lines.append(
+            f"| {s.label} | {s.final_val_loss:.4f} | {_fmt(s.time_to_target_s, '.1f')} | {s.train_time_s:.1f} "
+            f"| {1e3 * s.step_s:.1f} | {1e3 * s.exposed_comm_s:.1f} | {s.bytes_per_step / 1e6:.3f} ({kind}) "
+            f"| {s.max_divergence:.2e} | {s.nonfinite_events} | {s.resyncs} |"
+        )
+    notes = [
+        "",
+        f"target validation loss: {_fmt(target, '.4f')} (allreduce's mean final loss plus its seed spread)",
+        f"noise yardstick (allreduce, spread of final val loss over seeds): {_fmt(spread, '.4f')}",
+    ]
+    if link_rate_bytes_per_s:
+        notes.append(f"link rate measured by the launcher's probe: {link_rate_bytes_per_s / 1e6:.1f} MB/s per rank")
+    loads = [s.load_average for s in summaries if s.load_average is not None]
+    if loads:
+        notes.append(
+            f"load average during the runs: {min(loads):.1f} .. {max(loads):.1f} on this machine's CPUs "
+            "(above the ranks' own count, others competed for the CPUs and timings are noisier)"
+        )
+    drifting = [s for s in summaries if s.max_divergence > 0]
+    for s in drifting:
+        notes.append(
+            f"replica divergence of {s.label}: exact at the end {_fmt(s.exact_final_divergence, '.2e')}"
+            f" (sketch {s.final_divergence:.2e}); largest in {s.divergence_where or '-'}"
+        )
+    if comparisons:
+        notes += [
+            "",
+            "| run vs baseline | val loss diff | bytes ratio | step saving measured (ms) | predicted (ms) "
+            "| measured/predicted |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in comparisons:
+            predicted = None if c["predicted_saving_s"] is None else 1e3 * c["predicted_saving_s"]
+            notes.append(
+                f"| {c['label']} vs {c['baseline']} | {c['val_loss_diff']:+.4f} | {_fmt(c['byte_ratio'], '.3f')} "
+                f"| {1e3 * c['measured_saving_s']:+.1f} | {_fmt(predicted, '+.1f')} "
+                f"| {_fmt(c['saving_ratio'], '.2f')} |"
+            )
+    return "\n".join(lines + notes)

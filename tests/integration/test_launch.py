@@ -1,0 +1,331 @@
+"""cerar.harness.launch: argument checks, fast and slow runs, and cleanup on every exit path.
+
+Rank scripts here are plain Python (no torch) except one Gloo all-reduce per regime, so the
+file stays fast. Multi-process tests carry their own timeouts: a regression fails, never hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cerar.harness import netem
+from cerar.harness.launch import LaunchError, launch
+
+needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None, reason=str(netem.unavailable_reason()))
+
+GLOO = textwrap.dedent(
+    """
+    import os, torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    t = torch.full((8,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    print("sum", int(t[0].item()), os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+# Writes its pid (and the run id in slow) to DIR/pid-RANK, then: rank FAIL_RANK exits with
+# FAIL_CODE (or kills itself with SIGKILL if FAIL_CODE is "kill"), the others sleep.
+SLEEPER = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    d, fail_rank, fail_code = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    rank = int(os.environ["RANK"])
+    child = subprocess.Popen(["sleep", "120"])  # a grandchild: must die with the rank
+    path = os.path.join(d, f"pid-{rank}")
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid} {os.environ.get('CERAR_RUN_ID', '')}")
+    os.replace(path + ".tmp", path)
+    print(f"rank {rank} started", flush=True)
+    if rank == fail_rank:
+        time.sleep(0.5)
+        print(f"rank {rank} failing on purpose", file=sys.stderr, flush=True)
+        if fail_code == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(int(fail_code))
+    time.sleep(120)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _pids(d: Path, world_size: int, timeout: float = 60.0) -> list[tuple[int, int, str]]:
+    """(rank pid, grandchild pid, run id) per rank, once every rank has written them."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        files = [d / f"pid-{r}" for r in range(world_size)]
+        if all(f.exists() for f in files):
+            out = []
+            for f in files:
+                fields = f.read_text().split()
+                out.append((int(fields[0]), int(fields[1]), fields[2] if len(fields) > 2 else ""))
+            return out
+        time.sleep(0.05)
+    raise AssertionError("ranks did not start in time")
+
+
+def _assert_gone(pids: list[tuple[int, int, str]], run_id: str | None = None) -> None:
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(_alive(p) for rank in pids for p in rank[:2]):
+        time.sleep(0.05)
+    assert not [p for rank in pids for p in rank[:2] if _alive(p)]
+    if run_id:
+        assert netem.leftovers(run_id) == {"namespaces": [], "links": [], "processes": []}
+
+
+def _sleeper(tmp_path: Path) -> Path:
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    return script
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+
+
+def test_command_must_be_argv() -> None:
+    with pytest.raises(TypeError, match="Argument 'command'"):
+        launch("python -c pass", 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Argument 'command'"):
+        launch([], 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"world_size": 0}, ValueError, "Argument 'world_size' must be at least 1, not 0"),
+        ({"world_size": 1.5}, TypeError, "Argument 'world_size' must be an integer, not 1.5"),
+        ({"regime": "medium"}, ValueError, "Argument 'regime' must be one of 'fast', 'slow', not 'medium'"),
+        ({"rate": "quick"}, ValueError, "Argument 'rate'"),
+        ({"delay": "soon"}, ValueError, "Argument 'delay'"),
+        ({"timeout_s": 0}, ValueError, "Argument 'timeout_s' must be positive, not 0.0"),
+        ({"env": {"A": 1}}, TypeError, "Argument 'env'"),
+        ({"cwd": "/no/such/dir"}, ValueError, "Argument 'cwd'"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:
+    args = {"world_size": 2, **kwargs}
+    world_size = args.pop("world_size")
+    with pytest.raises(error, match=message):
+        launch([sys.executable, "-c", "pass"], world_size, **args)
+
+
+# --------------------------------------------------------------------------------------------
+# fast (loopback)
+
+
+@pytest.mark.multirank
+def test_fast_gloo_all_reduce(tmp_path: Path) -> None:
+    lines: list[tuple[int, str, str]] = []
+    result = launch(
+        [sys.executable, "-c", GLOO],
+        2,
+        timeout_s=120,
+        on_line=lambda rank, stream, line: lines.append((rank, stream, line)),
+    )
+    assert result.regime == "fast" and result.link_rate_bytes_per_s is None and result.run_id is None
+    assert [r.rank for r in result.ranks] == [0, 1]
+    assert all(r.returncode == 0 for r in result.ranks)
+    assert [r.stdout.split() for r in result.ranks] == [["sum", "3", "0", "2"], ["sum", "3", "1", "2"]]
+    assert (0, "stdout", "sum 3 0 2") in lines and (1, "stdout", "sum 3 1 2") in lines
+
+
+@pytest.mark.multirank
+def test_env_and_cwd_reach_ranks(tmp_path: Path) -> None:
+    env = "os.environ['CERAR_X'], os.environ['OMP_NUM_THREADS'], os.environ['RANK']"
+    code = f"import os; print(os.getcwd(), {env})"
+    result = launch([sys.executable, "-c", code], 2, env={"CERAR_X": "yes"}, cwd=str(tmp_path), timeout_s=60)
+    assert [r.stdout.split() for r in result.ranks] == [
+        [str(tmp_path), "yes", "1", "0"],
+        [str(tmp_path), "yes", "1", "1"],
+    ]
+
+
+@pytest.mark.multirank
+def test_fast_failed_rank_kills_the_others(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError) as info:
+        launch([sys.executable, str(_sleeper(tmp_path)), str(tmp_path), "1", "3"], 3, timeout_s=60)
+    err = info.value
+    assert err.failed == [1] and not err.timed_out
+    assert "rank 1 exited with 3" in str(err) and "failing on purpose" in str(err)
+    assert err.results[1].returncode == 3
+    assert err.results[0].returncode < 0 and err.results[2].returncode < 0  # killed by the launcher
+    _assert_gone(_pids(tmp_path, 3, timeout=1))
+
+
+@pytest.mark.multirank
+def test_fast_timeout(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError) as info:
+        launch([sys.executable, str(_sleeper(tmp_path)), str(tmp_path), "-1", "0"], 2, timeout_s=3)
+    assert info.value.timed_out and info.value.failed == []
+    assert "timed out after 3 s" in str(info.value)
+    _assert_gone(_pids(tmp_path, 2, timeout=1))
+
+
+# --------------------------------------------------------------------------------------------
+# slow (namespaces)
+
+
+@pytest.mark.multirank
+@pytest.mark.netns
+@needs_netns
+def test_slow_gloo_all_reduce() -> None:
+    result = launch([sys.executable, "-c", GLOO], 2, regime="slow", rate="200mbit", timeout_s=120)
+    assert [r.stdout.split()[:2] for r in result.ranks] == [["sum", "3"], ["sum", "3"]]
+    assert result.link_rate_bytes_per_s is not None and result.link_rate_bytes_per_s > 0
+    assert result.rate == "200mbit" and result.run_id
+    assert netem.leftovers(result.run_id) == {"namespaces": [], "links": [], "processes": []}
+
+
+@pytest.mark.multirank
+@pytest.mark.netns
+@needs_netns
+def test_slow_killed_rank_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError) as info:
+        launch(
+            [sys.executable, str(_sleeper(tmp_path)), str(tmp_path), "0", "kill"],
+            3,
+            regime="slow",
+            probe=False,
+            timeout_s=60,
+        )
+    assert info.value.failed == [0]
+    assert "rank 0 exited with -9 (SIGKILL)" in str(info.value)
+    pids = _pids(tmp_path, 3, timeout=1)
+    _assert_gone(pids, run_id=pids[0][2])
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    import sys
+    from cerar.harness.launch import launch
+    launch([sys.executable, sys.argv[1], sys.argv[2], "-1", "0"], 2, regime=sys.argv[3], probe=False,
+           timeout_s=120)
+    """
+)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("regime", "sig"),
+    [
+        pytest.param("slow", signal.SIGTERM, marks=[pytest.mark.netns, needs_netns]),
+        pytest.param("slow", signal.SIGINT, marks=[pytest.mark.netns, needs_netns]),
+        ("fast", signal.SIGTERM),
+    ],
+)
+def test_signal_to_launcher_cleans_up(tmp_path: Path, regime: str, sig: signal.Signals) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(_sleeper(tmp_path)), str(tmp_path), regime],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = _pids(tmp_path, 2)
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode != 0
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in err
+    else:
+        assert launcher.returncode == 128 + signal.SIGTERM
+    _assert_gone(pids, run_id=pids[0][2] or None)
+    if regime == "slow":
+        assert netem.leftovers(str(launcher.pid))["namespaces"] == []
+
+
+def test_launch_module_cli(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cerar.harness.launch",
+            "-N",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print(os.environ['RANK'])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0] 0", "[1] 1"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("regime", [pytest.param("slow", marks=[pytest.mark.netns, needs_netns]), "fast"])
+def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path, regime: str) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(_sleeper(tmp_path)), str(tmp_path), regime],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        pids = _pids(tmp_path, 2)
+        launcher.kill()  # no cleanup code runs: the kernel's parent-death signal must do it
+        launcher.wait(timeout=30)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and any(_alive(rank) for rank, _, _ in pids):
+            time.sleep(0.05)
+        assert not [rank for rank, _, _ in pids if _alive(rank)]
+        if regime == "slow":
+            # the namespaces outlive a SIGKILLed launcher; the next run (or --cleanup) removes them
+            assert netem.leftovers(str(launcher.pid))["namespaces"]
+            netem.cleanup_stale()
+            assert netem.leftovers(str(launcher.pid))["namespaces"] == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for rank, _, _ in _pids(tmp_path, 2, timeout=1) if (tmp_path / "pid-1").exists() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(rank, signal.SIGKILL)  # the sleepers' orphaned grandchildren
+
+
+def test_slow_unavailable_raises_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netem, "unavailable_reason", lambda: "network namespaces need root (test)")
+    with pytest.raises(netem.NetemUnavailable, match="cannot emulate a slow network: network namespaces need root"):
+        launch([sys.executable, "-c", "pass"], 2, regime="slow")
+
+
+@pytest.mark.multirank
+def test_fast_retries_when_the_port_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import cerar.harness.launch as launch_module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        ports = [taken.getsockname()[1]]  # the first attempt gets a port someone else holds
+        real = launch_module.free_loopback_port
+        monkeypatch.setattr(launch_module, "free_loopback_port", lambda: ports.pop() if ports else real())
+        result = launch([sys.executable, "-c", GLOO], 2, timeout_s=120)
+    assert [r.stdout.split()[:2] for r in result.ranks] == [["sum", "3"], ["sum", "3"]]
+    assert ports == []

@@ -1,0 +1,146 @@
+"""cerar.harness.netem: argument checks everywhere; namespace set-up and teardown where root, ip, tc exist."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cerar.harness import netem
+
+needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None, reason=str(netem.unavailable_reason()))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0): count it as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("rate", "expected"),
+    [("400mbit", 50e6), ("1gbit", 125e6), ("8kbit", 1e3), ("2mbps", 2e6), ("100bit", 12.5)],
+)
+def test_rate_bytes_per_s(rate: str, expected: float) -> None:
+    assert netem.rate_bytes_per_s(rate) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("rate", ["fast", "400", "400 mbit", "-1mbit", ""])
+def test_bad_rate_names_argument(rate: str) -> None:
+    with pytest.raises(ValueError, match="Argument 'rate'"):
+        netem.check_rate(rate)
+
+
+def test_bad_rate_type() -> None:
+    with pytest.raises(ValueError, match=r"Argument 'rate'.*400"):
+        netem.check_rate(400)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("delay", ["1", "ms", "1 h", "-2ms"])
+def test_bad_delay_names_argument(delay: str) -> None:
+    with pytest.raises(ValueError, match="Argument 'delay'"):
+        netem.check_delay(delay)
+
+
+def test_bad_world_size() -> None:
+    with pytest.raises(ValueError, match="Argument 'world_size' must be at least 1, not 0"):
+        with netem.emulated_network(0):
+            pass
+    with pytest.raises(TypeError, match="Argument 'world_size'"):
+        with netem.emulated_network(2.0):  # type: ignore[arg-type]
+            pass
+
+
+def test_unavailable_reason_is_str_or_none() -> None:
+    reason = netem.unavailable_reason()
+    assert reason is None or (isinstance(reason, str) and reason)
+
+
+@pytest.mark.netns
+@needs_netns
+def test_network_built_and_removed() -> None:
+    with netem.emulated_network(3, rate="100mbit") as net:
+        found = netem.leftovers(net.run_id)
+        assert sorted(found["namespaces"]) == sorted(net.namespaces)
+        assert found["links"] == []  # every link lives inside the run's namespaces
+        assert [link.address for link in net.ranks] == ["10.99.0.1", "10.99.0.2", "10.99.0.3"]
+        assert all(len(link.ifname) <= 15 for link in net.ranks) and len(net.bridge) <= 15
+        shown = subprocess.run(
+            ["tc", "-n", net.ranks[1].namespace, "qdisc", "show", "dev", net.ranks[1].ifname],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "tbf" in shown and "100Mbit" in shown
+        sleeper = subprocess.Popen([*net.exec_prefix(2), "sleep", "60"])
+        rate = netem.measure_link_rate(net, seconds=0.2)
+        assert rate > 0
+    assert netem.leftovers(net.run_id) == {"namespaces": [], "links": [], "processes": []}
+    sleeper.wait(timeout=10)  # teardown killed it
+    assert sleeper.returncode == -9
+
+
+@pytest.mark.netns
+@needs_netns
+def test_network_removed_after_exception() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with netem.emulated_network(2) as net:
+            raise RuntimeError("boom")
+    assert netem.leftovers(net.run_id)["namespaces"] == []
+
+
+@pytest.mark.netns
+@needs_netns
+def test_two_networks_do_not_collide() -> None:
+    with netem.emulated_network(2) as a, netem.emulated_network(2) as b:
+        assert a.run_id != b.run_id and a.bridge != b.bridge
+        assert not set(a.namespaces) & set(b.namespaces)
+    assert netem.leftovers(a.run_id)["namespaces"] == netem.leftovers(b.run_id)["namespaces"] == []
+
+
+@pytest.mark.netns
+@needs_netns
+def test_failed_setup_cleans_up() -> None:
+    # A delay needs the netem qdisc; with it the set-up succeeds, without it fails cleanly.
+    # Either way nothing may be left behind.
+    before = set(netem.leftovers(str(os.getpid()))["namespaces"])
+    try:
+        with netem.emulated_network(2, delay="1ms") as net:
+            assert netem.leftovers(net.run_id)["namespaces"]
+    except netem.NetemUnavailable as exc:
+        assert "netem" in str(exc)
+    assert set(netem.leftovers(str(os.getpid()))["namespaces"]) == before
+
+
+@pytest.mark.netns
+@needs_netns
+def test_cleanup_stale_removes_dead_runs_only() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    if _alive(dead.pid):  # pid reused already: nothing to test with this pid
+        pytest.skip("pid reused")
+    stale = f"cerar-{dead.pid}-abcd-hub"
+    live = f"cerar-{os.getpid()}-abcd-hub"  # this test process is alive: must be kept
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        removed = netem.cleanup_stale()
+        assert stale in removed and live not in removed
+        names = netem.leftovers()["namespaces"]
+        assert stale not in names and live in names
+        # building a network removes stale namespaces first
+        subprocess.run(["ip", "netns", "add", stale], check=True)
+        with netem.emulated_network(2):
+            assert stale not in netem.leftovers()["namespaces"]
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)

@@ -1,0 +1,187 @@
+"""The training experiment: config checks, data order, the model, and `cerar train` end to end
+(tiny model, two ranks on loopback; the launcher's timeout bounds every run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cerar.experiments.train.config import METHODS, ModelConfig, TrainConfig, parse_method
+from cerar.experiments.train.data import load_split, train_batch, validation_batch
+from cerar.experiments.train.loop import lr_factor
+from cerar.experiments.train.model import build_model, lm_loss, local_gradient
+
+TINY = ModelConfig(layers=1, hidden=32, heads=2, seq_len=32)
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+def test_config_round_trips_through_json() -> None:
+    config = TrainConfig(method="cerar", components=8, model=TINY, steps=7, resync_every=3)
+    assert TrainConfig.from_json(config.to_json()) == config
+    assert config.label == "cerar-c8-s0"
+    assert TrainConfig(method="powersgd", powersgd_rank=2, seed=1).label == "powersgd-r2-s1"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kind", "message"),
+    [
+        ({"method": "sgd"}, ValueError, "Argument 'method' must be one of"),
+        ({"steps": 0}, ValueError, "Argument 'steps' must be at least 1, not 0."),
+        ({"lr": -1.0}, ValueError, "Argument 'lr' must be positive, not -1.0."),
+        ({"batch_size": 2.0}, TypeError, "Argument 'batch_size' must be an integer, not 2.0."),
+        ({"divergence_tol": 0.0}, ValueError, "Argument 'divergence_tol' must be positive, not 0.0."),
+        ({"model": {"layers": 2}}, TypeError, "Argument 'model' must be a ModelConfig, not dict."),
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict, kind: type[Exception], message: str) -> None:
+    with pytest.raises(kind, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**kwargs)
+
+
+def test_model_config_checks_heads() -> None:
+    with pytest.raises(ValueError, match=r"Argument 'hidden' must be a multiple of heads=3, not 32."):
+        ModelConfig(hidden=32, heads=3)
+
+
+def test_parse_method() -> None:
+    assert parse_method("cerar", 4) == ("cerar", {"components": 8})
+    assert parse_method("cerar:3N", 4) == ("cerar", {"components": 12})
+    assert parse_method("cerar:10", 4) == ("cerar", {"components": 10})
+    assert parse_method("powersgd:2", 4) == ("powersgd", {"powersgd_rank": 2})
+    assert parse_method("bf16", 4) == ("bf16", {})
+    assert set(METHODS) == {"allreduce", "ring", "cerar", "fp16", "bf16", "powersgd"}
+    for bad in ("fp16:2", "cerar:x", "powersgd:2N", "cerar:0", "nccl"):
+        with pytest.raises(ValueError, match="Argument 'method'"):
+            parse_method(bad, 4)
+
+
+def test_learning_rate_schedule() -> None:
+    config = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, config) == pytest.approx(0.1)
+    assert lr_factor(9, config) == pytest.approx(1.0)
+    assert lr_factor(10, config) == pytest.approx(1.0)
+    assert lr_factor(100, config) == pytest.approx(0.1)
+    assert all(lr_factor(s, config) >= lr_factor(s + 1, config) for s in range(10, 100))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def test_split_is_fixed_and_disjoint() -> None:
+    split = load_split()
+    assert len(split.train) + len(split.val) == 5_058_224
+    assert len(split.val) == pytest.approx(0.1 * 5_058_224, abs=1)
+    assert bytes(split.train[:3].tolist()) != b""
+
+
+def test_batches_depend_only_on_seed_step_and_rank() -> None:
+    split = load_split()
+    a = train_batch(split, 5, 1, 4, 3, 16, seed=0)
+    assert a.shape == (3, 16) and a.dtype == torch.int64 and int(a.max()) < 256
+    assert torch.equal(a, train_batch(split, 5, 1, 4, 3, 16, seed=0))
+    assert not torch.equal(a, train_batch(split, 5, 2, 4, 3, 16, seed=0))
+    assert not torch.equal(a, train_batch(split, 6, 1, 4, 3, 16, seed=0))
+    assert not torch.equal(a, train_batch(split, 5, 1, 4, 3, 16, seed=1))
+    val = validation_batch(split, 10, 16)
+    assert torch.equal(val, validation_batch(split, 10, 16))
+    with pytest.raises(ValueError, match=r"Argument 'rank' must be less than world_size=4, not 4."):
+        train_batch(split, 0, 4, 4, 3, 16, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+def test_model_is_pythia_like_and_local_gradient_is_clean() -> None:
+    model = build_model(TINY, seed=0)
+    config = model.config
+    assert type(model).__name__ == "GPTNeoXForCausalLM"
+    rope = getattr(config, "rope_parameters", None) or {}  # transformers 5 moved rotary_pct here
+    assert rope.get("partial_rotary_factor", getattr(config, "rotary_pct", None)) == 0.25
+    assert config.use_parallel_residual and config.vocab_size == 256
+    assert not config.tie_word_embeddings
+    tokens = validation_batch(load_split(), 2, TINY.seq_len)
+    before = [p.detach().clone() for p in model.parameters()]
+    grad = local_gradient(model, tokens)
+    assert grad.shape == (sum(p.numel() for p in model.parameters()),)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # It is the gradient of the loss: a small step along it lowers the loss.
+    loss = float(lm_loss(model, tokens).detach())
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p -= 0.05 * grad[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+    assert float(lm_loss(model, tokens).detach()) < loss
+    # Same seed, same weights.
+    again = build_model(TINY, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), before, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# `cerar train` end to end
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_cerar_train_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cerar.cli import main
+
+    out = tmp_path / "train"
+    argv = [
+        "train", "-N", "2", "--regime", "fast", "--methods", "allreduce", "cerar", "powersgd:1",
+        "--noise-seeds", "2", "--steps", "12", "--eval-every", "6", "--batch-size", "2",
+        "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "32", "--warmup-steps", "2",
+        "--eval-sequences", "8", "--resync-every", "5", "--timeout-s", "120", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for label in ("allreduce-s0", "allreduce-s1", "cerar-c4-s0", "powersgd-r1-s0"):
+        assert label in printed
+        assert (out / "runs" / f"{label}.json").is_file()
+    assert (out / "loss.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {r["label"]: r for r in summary["runs"]}
+    assert summary["noise_spread"] is not None and summary["noise_spread"] >= 0
+    for run in runs.values():
+        first_loss = json.loads((out / "runs" / f"{run['label']}.json").read_text())["ranks"][0]["evals"][0]
+        assert run["final_val_loss"] < first_loss["val_loss"]  # every method learns
+        assert run["bytes_per_step"] > 0 and run["step_s"] > 0 and run["exposed_comm_s"] >= 0
+    assert runs["cerar-c4-s0"]["bytes_measured"] and not runs["allreduce-s0"]["bytes_measured"]
+    assert runs["cerar-c4-s0"]["resyncs"] == 2  # steps 5 and 10
+    assert runs["allreduce-s0"]["max_divergence"] == 0.0  # an exact all-reduce keeps replicas equal
+    # At N = 2 CERAR sends the ring's byte count (1 + (N-2)/c = 2(N-1)/N = 1).
+    assert runs["cerar-c4-s0"]["bytes_per_step"] == pytest.approx(runs["allreduce-s0"]["bytes_per_step"], rel=0.01)
+    assert runs["powersgd-r1-s0"]["bytes_per_step"] < runs["allreduce-s0"]["bytes_per_step"]
+
+    # --reuse summarises the stored runs again without launching anything.
+    import cerar.harness.launch
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("--reuse launched a run")
+
+    monkeypatch.setattr(cerar.harness.launch, "launch", no_launch)
+    assert main([*argv, "--reuse", "--no-plots"]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert [r["final_val_loss"] for r in again["runs"]] == [r["final_val_loss"] for r in summary["runs"]]
+
+
+def test_plan_rejects_repeated_runs() -> None:
+    from cerar.cli import build_parser
+    from cerar.cli.train import plan_runs
+
+    args = build_parser(only="train").parse_args(["train", "--methods", "cerar", "cerar:2N", "-N", "4"])
+    with pytest.raises(ValueError, match="Argument 'methods' must not repeat a run"):
+        plan_runs(args)
+    args = build_parser(only="train").parse_args(["train", "-N", "4"])
+    labels = [c.label for c in plan_runs(args)]
+    assert labels == ["allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "powersgd-r4-s0"]

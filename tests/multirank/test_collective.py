@@ -1,0 +1,320 @@
+"""Multi-rank tests of cerar.all_reduce and cerar.ring_all_reduce on Gloo."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import cerar
+from cerar.coding import codes
+from cerar.coding.precision import UNIT_ROUNDOFF
+from cerar.comm.stats import CommStats
+from cerar.protocol.simulate_ring import simulate_ring
+from multirank import RankFailure, check, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+SIZES = (1, "c-1", "c", 999_983, (3, 5, 7), "view")
+
+
+def _make_input(rank: int, size: object, c: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if size == "c-1":
+        return torch.randn(max(c - 1, 1), generator=g).to(dtype)
+    if size == "c":
+        return torch.randn(c, generator=g).to(dtype)
+    if size == "view":  # non-contiguous: every other column of a matrix
+        return torch.randn(37, 2 * 41, generator=g).to(dtype)[:, ::2]
+    if isinstance(size, tuple):
+        return torch.randn(*size, generator=g).to(dtype)
+    return torch.randn(int(size), generator=g).to(dtype)  # type: ignore[arg-type]
+
+
+def _gather(tensor: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.stack(parts)
+
+
+def _accuracy_worker(rank: int, world: int) -> list[str]:
+    """Every (c, size, dtype) combination; returns a list of failures (empty when all pass)."""
+    failures: list[str] = []
+    combos = []
+    for c in (world, 2 * world, 3 * world):
+        for size in SIZES:
+            dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+            if size == 999_983:
+                dtypes = (torch.float32,) if c == 2 * world else ()
+            for dtype in dtypes:
+                combos.append((c, size, dtype))
+    for seed, (c, size, dtype) in enumerate(combos):
+        precision = "fp64" if dtype == torch.float64 else "fp32"
+        code = codes.exact(world) if c == world else codes.perturbed(world, c, precision=precision)
+        x = _make_input(rank, size, c, dtype, seed)
+        shape, contiguous = x.shape, x.is_contiguous()
+        inputs = _gather(x)
+        cerar.all_reduce(x, code=code)
+        label = f"N={world} c={c} size={size} dtype={dtype}"
+        if x.shape != shape or x.dtype != dtype or x.is_contiguous() != contiguous:
+            failures.append(f"{label}: tensor changed shape/dtype/layout")
+            continue
+        flat_inputs = inputs.reshape(world, -1).double()
+        exact = flat_inputs.sum(0)
+        got = x.reshape(-1).double()
+        scale = float(exact.norm()) or 1.0
+        err = float((got - exact).norm())
+        bound = code.error_bound[rank] * code.error_scale(flat_inputs.numpy(), rank)
+        u = UNIT_ROUNDOFF[precision]
+        rounding = 40 * u * code.cond[rank] * math.sqrt(world) * scale
+        if dtype in (torch.float16, torch.bfloat16):
+            rounding += 2 * UNIT_ROUNDOFF["fp16" if dtype == torch.float16 else "bf16"] * scale
+        if err > bound + rounding:
+            failures.append(f"{label}: error {err:.3g} > bound {bound:.3g} + rounding {rounding:.3g}")
+        if dtype in (torch.float32, torch.float64) and size != 999_983:
+            sim = cerar.simulate(code, flat_inputs, packet_dtype=precision)
+            sim_err = float(sim.errors[rank])
+            # Same protocol, different rounding order: the errors agree closely, and the two
+            # results differ by no more than about one error.
+            diff = float(np.linalg.norm(sim.outputs[rank] - got.numpy()))
+            if diff > 2 * max(sim_err, err) + 1e3 * u * scale:
+                failures.append(f"{label}: differs from simulate by {diff:.3g} (errors {err:.3g}, {sim_err:.3g})")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_every_rank_within_bound_and_agrees_with_simulator(world: int) -> None:
+    results = check(run_ranks(_accuracy_worker, world, timeout=300))
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures[:20])
+
+
+def _exact_worker(rank: int, world: int) -> tuple[float, float]:
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(rank))
+    reference, coded, ring = x.clone(), x.clone(), x.clone()
+    dist.all_reduce(reference)
+    cerar.all_reduce(coded, code=codes.exact(world))
+    cerar.ring_all_reduce(ring)
+    empty = torch.empty(0)
+    cerar.all_reduce(empty, code=codes.perturbed(world, 2 * world))  # nothing to send, no hang
+    cerar.ring_all_reduce(empty)
+    scale = float(reference.norm())
+    return float((coded - reference).norm()) / scale, float((ring - reference).norm()) / scale
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_exact_code_and_ring_match_builtin(world: int) -> None:
+    for coded_err, ring_err in check(run_ranks(_exact_worker, world, timeout=120)):
+        assert coded_err < 1e-6
+        assert ring_err < 1e-6
+
+
+def _bytes_worker(rank: int, world: int, c: int, d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    x = torch.randn(d, dtype=dtype)
+    coded, ring = CommStats(), CommStats()
+    cerar.all_reduce(x.clone(), code=codes.perturbed(world, c), stats=coded)
+    cerar.ring_all_reduce(x.clone(), stats=ring)
+    return coded.bytes_sent, coded.bytes_received, ring.bytes_sent, coded.rounds
+
+
+@pytest.mark.parametrize(("world", "c", "d", "dtype"), [(3, 6, 1001, torch.float32), (4, 12, 5000, torch.float64)])
+def test_measured_bytes_match_formula(world: int, c: int, d: int, dtype: torch.dtype) -> None:
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    for sent, received, ring_sent, rounds in check(run_ranks(_bytes_worker, world, c, d, dtype, timeout=120)):
+        assert rounds == c + world - 2
+        assert sent == received == (c + world - 2) * math.ceil(d / c) * itemsize
+        assert ring_sent == 2 * (world - 1) * math.ceil(d / world) * itemsize
+
+
+def _async_avg_subgroup_worker(rank: int, world: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    x = torch.full((100,), float(rank + 1))
+    work = cerar.all_reduce(x, op="avg", async_op=True, code=codes.exact(world))
+    assert work is not None
+    work.wait()
+    out["completed"] = work.is_completed()
+    out["avg"] = float(x.mean())
+    y = torch.full((50,), float(rank))
+    fut = cerar.ring_all_reduce(y, async_op=True).get_future()
+    out["future"] = float(fut.wait()[0].mean())
+    members = [1, 2, 3]
+    group = dist.new_group(members)
+    z = torch.full((30,), float(rank))
+    result = cerar.all_reduce(z, group=group, code=codes.perturbed(3, 6))
+    out["subgroup_return"] = result
+    out["subgroup_value"] = float(z.mean())
+    out["stats_calls"] = cerar.comm.collective.get_stats(group).calls
+    return out
+
+
+def test_async_avg_and_subgroup() -> None:
+    results = check(run_ranks(_async_avg_subgroup_worker, 4, timeout=120))
+    for rank, r in enumerate(results):
+        assert r["completed"] is True
+        assert r["avg"] == pytest.approx(2.5, rel=1e-6)
+        assert r["future"] == pytest.approx(6.0, rel=1e-6)
+        assert r["subgroup_return"] is None
+        if rank == 0:
+            assert r["subgroup_value"] == 0.0  # outside the group: untouched
+            assert r["stats_calls"] == 0
+        else:
+            assert r["subgroup_value"] == pytest.approx(6.0, rel=1e-3)
+            assert r["stats_calls"] == 1
+
+
+def _mismatch_worker(rank: int, world: int, kind: str) -> str:
+    x = torch.randn(1000)
+    if kind == "code":
+        code = codes.perturbed(world, 12 if rank == 1 else 8)
+        cerar.all_reduce(x, code=code)
+    elif kind == "size":
+        cerar.all_reduce(torch.randn(1000 + rank), code=codes.perturbed(world, 8))
+    else:
+        cerar.all_reduce(x.double() if rank == 0 else x, code=codes.perturbed(world, 8))
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["code", "size", "dtype"])
+def test_mismatched_settings_raise_on_every_rank(kind: str) -> None:
+    results = run_ranks(_mismatch_worker, 4, kind, timeout=60, pg_timeout=20)
+    messages = set()
+    for r in results:
+        assert isinstance(r, RankFailure) and r.type_name == "SettingsMismatchError", r
+        messages.add(r.message)
+    assert len(messages) == 1  # the same clear error everywhere
+    assert "rank 0" in messages.pop()
+
+
+def _nonfinite_worker(rank: int, world: int, policy: str) -> tuple[int, int, bool]:
+    x = torch.ones(999)
+    if rank == 2:
+        x[17] = float("nan")
+    stats = CommStats()
+    cerar.all_reduce(x, code=codes.perturbed(world, 2 * world), nonfinite=policy, stats=stats)
+    nan_count = int(torch.isnan(x).sum())
+    finite_ok = bool(torch.allclose(x[~torch.isnan(x)], torch.full_like(x[~torch.isnan(x)], world), rtol=1e-5))
+    return nan_count, stats.fallbacks, finite_ok
+
+
+def test_nonfinite_raise_names_the_rank_everywhere() -> None:
+    results = run_ranks(_nonfinite_worker, 4, "raise", timeout=60)
+    for r in results:
+        assert isinstance(r, RankFailure) and r.type_name == "NonFiniteError", r
+        assert "[2]" in r.message
+
+
+def test_nonfinite_exact_falls_back_and_ignore_spreads() -> None:
+    for nan_count, fallbacks, finite_ok in check(run_ranks(_nonfinite_worker, 4, "exact", timeout=60)):
+        assert nan_count == 1 and fallbacks == 1 and finite_ok
+    for nan_count, fallbacks, _ in check(run_ranks(_nonfinite_worker, 4, "ignore", timeout=60)):
+        # The mixing spreads the NaN across the c components of its column, on every rank.
+        assert nan_count == 8 and fallbacks == 0
+
+
+def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
+    import time
+
+    import cerar.comm.transport as transport
+
+    if rank == 2:
+        original = transport._wait
+
+        def faulty(work: dist.Work, ring: transport.Ring, round: int) -> None:
+            if round == 3:  # mid-call, after two rounds
+                if fault == "stuck":
+                    time.sleep(12)
+                os._exit(3)
+            original(work, ring, round)
+
+        transport._wait = faulty
+    x = torch.randn(100_000)
+    started = time.monotonic()
+    try:
+        cerar.all_reduce(x, code=codes.perturbed(world, 8))
+    finally:
+        print(f"rank {rank} left the call after {time.monotonic() - started:.1f} s", flush=True)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("fault", ["dead", "stuck"])
+def test_dead_or_stuck_peer_makes_survivors_raise(fault: str) -> None:
+    pg_timeout = 4.0
+    results = run_ranks(_faulty_peer_worker, 4, fault, timeout=90, pg_timeout=pg_timeout, allow_missing=True)
+    assert results[2] is None
+    for rank in (0, 1, 3):
+        failure = results[rank]
+        assert isinstance(failure, RankFailure), failure
+        assert failure.type_name == "RingError", failure
+        assert "ring round" in failure.message
+
+
+def _sixteen_bit_worker(
+    rank: int, world: int, wire: torch.dtype, magnitude: float
+) -> tuple[float, int, float, float]:
+    d = 20_011
+    x = magnitude * torch.randn(d, generator=torch.Generator().manual_seed(rank))
+    inputs = _gather(x)
+    exact = x.clone().double()
+    dist.all_reduce(exact)
+    stats = CommStats()
+    cerar.ring_all_reduce(x, wire_dtype=wire, stats=stats)
+    everyone = _gather(x)
+    identical = float((everyone - everyone[0]).abs().max())
+    simulated = simulate_ring(inputs, wire_dtype=wire).outputs[rank]
+    from_simulator = float(np.abs(simulated - x.double().numpy()).max())
+    return float((x.double() - exact).norm() / exact.norm()), stats.bytes_sent, identical, from_simulator
+
+
+@pytest.mark.parametrize(
+    ("wire", "magnitude"), [(torch.float16, 1.0), (torch.float16, 3e4), (torch.float16, 1e-6), (torch.bfloat16, 1.0)]
+)
+def test_sixteen_bit_rings(wire: torch.dtype, magnitude: float) -> None:
+    world = 4
+    u = UNIT_ROUNDOFF["fp16" if wire == torch.float16 else "bf16"]
+    results = check(run_ranks(_sixteen_bit_worker, world, wire, magnitude, timeout=60))
+    for err, sent, identical, from_simulator in results:
+        assert err < 4 * u * math.sqrt(world)  # one rounding per hop, no overflow, no underflow
+        assert sent == 2 * (world - 1) * math.ceil(20_011 / world) * 2
+        assert identical == 0.0  # every rank ends with the same values
+        assert from_simulator == 0.0  # simulate_ring is the transport, step for step
+
+
+def _bad_argument_worker(rank: int, world: int) -> list[str]:
+    calls = [
+        ("tensor", lambda: cerar.all_reduce([1.0, 2.0])),
+        ("tensor", lambda: cerar.all_reduce(torch.ones(3, dtype=torch.int64))),
+        ("op", lambda: cerar.all_reduce(torch.ones(3), op="max")),
+        ("async_op", lambda: cerar.all_reduce(torch.ones(3), async_op=1)),
+        ("nonfinite", lambda: cerar.all_reduce(torch.ones(3), nonfinite="skip")),
+        ("code", lambda: cerar.all_reduce(torch.ones(3), code="perturbed")),
+        ("code", lambda: cerar.all_reduce(torch.ones(3), code=codes.perturbed(3, 6))),
+        ("stats", lambda: cerar.all_reduce(torch.ones(3), stats={})),
+        ("wire_dtype", lambda: cerar.ring_all_reduce(torch.ones(3), wire_dtype=torch.int8)),
+        ("op", lambda: cerar.ring_all_reduce(torch.ones(3), op=dist.ReduceOp.MAX)),
+    ]
+    problems = []
+    for name, call in calls:
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            if f"'{name}'" not in str(exc):
+                problems.append(f"{name}: message does not name the argument: {exc}")
+        else:
+            problems.append(f"{name}: no error")
+    return problems
+
+
+def test_bad_arguments_raise_at_once() -> None:
+    for problems in check(run_ranks(_bad_argument_worker, 2, timeout=60)):
+        assert not problems, problems
+
+
+def test_without_process_group_raises() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cerar.all_reduce(torch.ones(3))
