@@ -5,13 +5,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: bench test design lint
+.PHONY: bench test test-fast design lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e '.[train,dev]' $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e '.[bench,train,dev]' $(TORCH_PIN)
 	touch $@
 
 bench: $(VENV)/.installed
@@ -21,8 +21,15 @@ design: $(VENV)/.installed
 	$(BIN)/cerar design
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks
 
+# Every layer: unit (single process), multirank (Gloo ranks), integration (commands, netns).
 test: $(VENV)/.installed
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
+
+# The single-process layer only (about a minute): the maths, the simulators, the import contract.
+test-fast: $(VENV)/.installed
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q tests/unit -m "not multirank"
+

@@ -2,7 +2,7 @@
 
 float32 packets, float64 decoding (the simulator), the automatic delta for fp32 and the default
 mixed-reference decoder, for N = 4, 8, 16 and c = 2N, 3N, 4N; next to the reference figures of
-DESIGN.md. Two input models: i.i.d. standard normal, and ``X_i = 3 g + noise_i`` (a shared part,
+docs/protocol.md. Two input models: i.i.d. standard normal, and ``X_i = 3 g + noise_i`` (a shared part,
 as gradients have), both of ``d = 2048 c`` values per rank. The error is relative, worst rank:
 ``max_j ||S_hat_j - S|| / ||S||``. "iid/shared" is the ratio of the two relative errors; "abs
 shared/iid" the ratio of the worst absolute errors ``||S_hat_j - S||`` (the shared part makes
@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from cerar.coding import codes, simulate
+from cerar import codes, simulate
 
-#: DESIGN.md's reference figures (symmetric clusters, mixed decoder): (worst-rank error, cond).
+#: The design's reference figures (docs/protocol.md, "Reference figures"; mixed decoder): (worst-rank error, cond).
 DESIGN: dict[tuple[int, int], tuple[float, float]] = {
     (4, 8): (2.6e-4, 5.8e3),
     (4, 12): (4.4e-3, 7.3e4),

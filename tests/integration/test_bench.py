@@ -19,8 +19,9 @@ import pytest
 from cerar.cli import build_parser
 from cerar.cli.bench import config_from_args
 from cerar.coding.code import Code
-from cerar.experiments.bench.methods import METHODS, Method, get_method
-from cerar.experiments.bench.run import BenchConfig, analyse, build_cases, format_size, make_code, parse_size, run_bench
+from cerar.experiments.bench.config import BenchConfig, format_size, parse_size
+from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, AllReduceMethod, get_method
+from cerar.experiments.bench.run import analyse, build_cases, make_code, run_bench
 from cerar.experiments.bench.schema import RECORD_KEYS, add_ratios, make_record, validate_document
 from cerar.experiments.bench.stats import (
     AlphaBeta,
@@ -92,11 +93,11 @@ def test_methods_theory_bytes() -> None:
 
 
 def test_a_method_is_one_entry() -> None:
-    # A 16-bit ring as issue 7 will add it: one Method, and the theory follows.
-    fp16 = Method("ring-fp16", "16-bit wire", lambda t, code, stats: None, wire_bytes_per_value=2.0)
+    # A 16-bit ring as issue 7 will add it: one AllReduceMethod, and the theory follows.
+    fp16 = AllReduceMethod("ring-fp16", "16-bit wire", lambda t, code, stats: None, wire_bytes_per_value=2.0)
     assert fp16.theory_bytes_per_rank(4 * MiB, 4, None) == 3 * MiB
     assert not fp16.coded and fp16.rounds(4, None) == 6
-    assert set(METHODS) >= {"builtin", "ring", "cerar"}
+    assert set(ALL_REDUCE_METHODS) >= {"builtin", "ring", "cerar"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,11 +317,11 @@ def test_format_size() -> None:
 )
 def test_config_checks(changes: dict[str, Any], error: type, message: str) -> None:
     with pytest.raises(error, match=message):
-        BenchConfig(**changes).validated()
+        BenchConfig(**changes)
 
 
 def test_config_defaults_and_cases() -> None:
-    config = BenchConfig(world_size=4, sizes_bytes=(4 * MiB, MiB, MiB)).validated()
+    config = BenchConfig(world_size=4, sizes_bytes=(4 * MiB, MiB, MiB))
     assert config.components == (4, 8) and config.sizes_bytes == (MiB, 4 * MiB)
     cases = build_cases(config)
     assert [c["size_bytes"] for c in cases] == [MiB] * 6 + [4 * MiB] * 6  # sorted by size
@@ -348,8 +349,19 @@ def test_command_line_defaults() -> None:
     quick = config_from_args(_args("--quick", "-N", "3", "--regime", "fast", "-c", "3,6,9"))
     assert quick.iters == 2 and quick.sizes_bytes[-1] <= MiB and quick.regimes == ("fast",)
     assert quick.components == (3, 6, 9)
+    # a flag given on the command line wins over --quick's preset
+    quick = config_from_args(_args("--quick", "--iters", "3", "--sizes", "4M,64K", "--methods", "builtin,cerar"))
+    assert quick.iters == 3 and quick.sizes_bytes == (64 << 10, 4 * MiB) and quick.methods == ("builtin", "cerar")
+    assert config_from_args(_args("--timeout", "9", "--construction", "vandermonde")).timeout_s == 9.0
     with pytest.raises(ValueError, match="Argument 'components' must be a comma list of integers"):
         config_from_args(_args("-c", "four"))
+
+
+def test_config_is_frozen_once_checked() -> None:
+    config = BenchConfig(world_size=3, components=(6, 3, 6))
+    assert config.components == (6, 3)  # repeats dropped, order kept
+    with pytest.raises(AttributeError):
+        config.iters = 0  # type: ignore[misc]
 
 
 def test_cli_bad_argument_exits_2() -> None:
@@ -407,7 +419,7 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
     assert "fast regime, N = 2" in out and "builtin" in out
     methods = {(r["method"], r["components"]) for r in doc["results"]}
     assert ("builtin", None) in methods
-    if METHODS["cerar"].available():
+    if ALL_REDUCE_METHODS["cerar"].available():
         assert methods == {
             ("builtin", None),
             ("ring", None),

@@ -278,6 +278,23 @@ def test_launch_module_cli(tmp_path: Path) -> None:
     assert sorted(done.stdout.splitlines()) == ["[0] 0", "[1] 1"]
 
 
+def test_launch_module_cli_writes_each_line_whole() -> None:
+    # Four ranks write many short lines at once: every forwarded line must arrive whole
+    # (the reader threads once interleaved two ranks' lines: '[0] 0[1] 1').
+    lines = 300
+    script = f"import os\nfor i in range({lines}): print(os.environ['RANK'], i, flush=True)"
+    done = subprocess.run(
+        [sys.executable, "-m", "cerar.harness.launch", "-N", "4", "--", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    expected = sorted(f"[{rank}] {rank} {i}" for rank in range(4) for i in range(lines))
+    assert sorted(done.stdout.splitlines()) == expected
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("regime", [pytest.param("slow", marks=[pytest.mark.netns, needs_netns]), "fast"])
 def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path, regime: str) -> None:

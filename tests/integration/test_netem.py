@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -60,9 +61,28 @@ def test_bad_world_size() -> None:
             pass
 
 
-def test_unavailable_reason_is_str_or_none() -> None:
+def test_unavailable_reason_matches_the_machine() -> None:
+    # None exactly when this machine can build namespaces; otherwise the reason names the cause.
     reason = netem.unavailable_reason()
-    assert reason is None or (isinstance(reason, str) and reason)
+    if sys.platform != "linux":
+        assert reason is not None and "Linux" in reason
+    elif os.geteuid() != 0:
+        assert reason is not None and "root" in reason
+    elif shutil.which("ip") is None or shutil.which("tc") is None:
+        assert reason is not None and "iproute2" in reason
+    else:
+        assert reason is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the later checks need Linux")
+def test_unavailable_reason_names_each_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert netem.unavailable_reason() == "network namespaces need root (run as root, or use --regime fast)"
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    assert netem.unavailable_reason() == "missing tool(s) tc (install iproute2)"
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    assert netem.unavailable_reason() is None
 
 
 @pytest.mark.netns
@@ -109,15 +129,38 @@ def test_two_networks_do_not_collide() -> None:
 
 @pytest.mark.netns
 @needs_netns
-def test_failed_setup_cleans_up() -> None:
-    # A delay needs the netem qdisc; with it the set-up succeeds, without it fails cleanly.
-    # Either way nothing may be left behind.
+def test_failed_setup_cleans_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The set-up fails for certain half-way, on the third rank's link: the hub and the first
+    # ranks' namespaces exist by then, and must all be gone afterwards.
+    before = set(netem.leftovers(str(os.getpid()))["namespaces"])
+    real_shape = netem._shape
+    built: list[str] = []
+
+    def shape(link: netem.RankLink, rate: str, delay: str) -> None:
+        built.extend(n for n in netem.leftovers(str(os.getpid()))["namespaces"] if n not in before)
+        if link.rank == 2:
+            raise netem.NetemUnavailable("command failed (2): tc ...: injected by the test")
+        real_shape(link, rate, delay)
+
+    monkeypatch.setattr(netem, "_shape", shape)
+    with pytest.raises(netem.NetemUnavailable, match="injected by the test"):
+        with netem.emulated_network(4):
+            pytest.fail("the set-up must not succeed")
+    assert {n.rsplit("-", 1)[1] for n in built} >= {"hub", "r0", "r1", "r2"}  # it did fail half-way
+    assert set(netem.leftovers(str(os.getpid()))["namespaces"]) == before
+
+
+@pytest.mark.netns
+@needs_netns
+def test_delay_builds_or_fails_cleanly() -> None:
+    # A delay needs the kernel's netem qdisc: with it the set-up succeeds, without it fails
+    # with a message that says so. Either way nothing may be left behind.
     before = set(netem.leftovers(str(os.getpid()))["namespaces"])
     try:
         with netem.emulated_network(2, delay="1ms") as net:
-            assert netem.leftovers(net.run_id)["namespaces"]
+            assert len(netem.leftovers(net.run_id)["namespaces"]) == 3
     except netem.NetemUnavailable as exc:
-        assert "netem" in str(exc)
+        assert "no netem qdisc (sch_netem)" in str(exc)
     assert set(netem.leftovers(str(os.getpid()))["namespaces"]) == before
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cerar.experiments.train.config import METHODS, ModelConfig, TrainConfig, parse_method
+from cerar.experiments.train.config import ModelConfig, TrainConfig, parse_method
 from cerar.experiments.train.data import load_split, train_batch, validation_batch
 from cerar.experiments.train.loop import lr_factor
+from cerar.experiments.train.methods import HOOKS
 from cerar.experiments.train.model import build_model, lm_loss, local_gradient
 
 TINY = ModelConfig(layers=1, hidden=32, heads=2, seq_len=32)
@@ -54,7 +55,7 @@ def test_parse_method() -> None:
     assert parse_method("cerar:10", 4) == ("cerar", {"components": 10})
     assert parse_method("powersgd:2", 4) == ("powersgd", {"powersgd_rank": 2})
     assert parse_method("bf16", 4) == ("bf16", {})
-    assert set(METHODS) == {"allreduce", "ring", "cerar", "fp16", "bf16", "powersgd"}
+    assert set(HOOKS) == {"allreduce", "ring", "cerar", "fp16", "bf16", "powersgd"}
     for bad in ("fp16:2", "cerar:x", "powersgd:2N", "cerar:0", "nccl"):
         with pytest.raises(ValueError, match="Argument 'method'"):
             parse_method(bad, 4)

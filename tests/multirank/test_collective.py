@@ -189,15 +189,25 @@ def test_mismatched_settings_raise_on_every_rank(kind: str) -> None:
     assert "rank 0" in messages.pop()
 
 
-def _nonfinite_worker(rank: int, world: int, policy: str) -> tuple[int, int, bool]:
+def _nonfinite_worker(rank: int, world: int, policy: str, position: int = 17) -> tuple[list[int], int, float]:
+    """NaN at ``position`` of rank 2's size-999 input; returns (NaN positions, fallbacks,
+    largest relative error of the finite entries against the exact sum ``world``)."""
     x = torch.ones(999)
     if rank == 2:
-        x[17] = float("nan")
+        x[position] = float("nan")
     stats = CommStats()
     cerar.all_reduce(x, code=codes.perturbed(world, 2 * world), nonfinite=policy, stats=stats)
-    nan_count = int(torch.isnan(x).sum())
-    finite_ok = bool(torch.allclose(x[~torch.isnan(x)], torch.full_like(x[~torch.isnan(x)], world), rtol=1e-5))
-    return nan_count, stats.fallbacks, finite_ok
+    nan = torch.isnan(x)
+    finite_error = float(((x[~nan] - world) / world).abs().max())
+    return torch.nonzero(nan).flatten().tolist(), stats.fallbacks, finite_error
+
+
+def _column(position: int, d: int, c: int) -> list[int]:
+    """The flat positions of ``position``'s column: the transport pads ``d`` values to ``c * m``
+    (``m = ceil(d / c)``) and views them as ``(c, m)``, component ``k`` being the ``k``-th
+    contiguous chunk of ``m``; the code mixes the ``c`` components of each column."""
+    m = math.ceil(d / c)
+    return [position % m + k * m for k in range(c) if position % m + k * m < d]
 
 
 def test_nonfinite_raise_names_the_rank_everywhere() -> None:
@@ -207,12 +217,24 @@ def test_nonfinite_raise_names_the_rank_everywhere() -> None:
         assert "[2]" in r.message
 
 
-def test_nonfinite_exact_falls_back_and_ignore_spreads() -> None:
-    for nan_count, fallbacks, finite_ok in check(run_ranks(_nonfinite_worker, 4, "exact", timeout=60)):
-        assert nan_count == 1 and fallbacks == 1 and finite_ok
-    for nan_count, fallbacks, _ in check(run_ranks(_nonfinite_worker, 4, "ignore", timeout=60)):
-        # The mixing spreads the NaN across the c components of its column, on every rank.
-        assert nan_count == 8 and fallbacks == 0
+def test_nonfinite_exact_falls_back_and_keeps_the_nan_in_place() -> None:
+    for positions, fallbacks, finite_error in check(run_ranks(_nonfinite_worker, 4, "exact", timeout=60)):
+        assert positions == [17] and fallbacks == 1
+        assert finite_error == 0.0  # the exact ring: sums of ones are exact
+
+
+# 17: a full column of c = 8 positions; 124 = m - 1: the column's last position, 124 + 7 * 125,
+# falls in the padding (>= 999), so 7 positions.
+@pytest.mark.parametrize("position", [17, 124])
+def test_nonfinite_ignore_spreads_over_exactly_its_column(position: int) -> None:
+    world, d = 4, 999
+    expected = _column(position, d, 2 * world)
+    assert len(expected) == (8 if position == 17 else 7)
+    results = check(run_ranks(_nonfinite_worker, world, "ignore", position, timeout=60))
+    for positions, fallbacks, finite_error in results:
+        # On every rank, the NaN reaches its column's c components and nothing else.
+        assert positions == expected and fallbacks == 0
+        assert finite_error < 1e-3
 
 
 def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
@@ -223,12 +245,12 @@ def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
     if rank == 2:
         original = transport._wait
 
-        def faulty(work: dist.Work, ring: transport.Ring, round: int) -> None:
-            if round == 3:  # mid-call, after two rounds
+        def faulty(work: dist.Work, ring: transport.Ring, round_index: int) -> None:
+            if round_index == 3:  # mid-call, after two rounds
                 if fault == "stuck":
                     time.sleep(12)
                 os._exit(3)
-            original(work, ring, round)
+            original(work, ring, round_index)
 
         transport._wait = faulty
     x = torch.randn(100_000)
@@ -252,9 +274,7 @@ def test_dead_or_stuck_peer_makes_survivors_raise(fault: str) -> None:
         assert "ring round" in failure.message
 
 
-def _sixteen_bit_worker(
-    rank: int, world: int, wire: torch.dtype, magnitude: float
-) -> tuple[float, int, float, float]:
+def _sixteen_bit_worker(rank: int, world: int, wire: torch.dtype, magnitude: float) -> tuple[float, int, float, float]:
     d = 20_011
     x = magnitude * torch.randn(d, generator=torch.Generator().manual_seed(rank))
     inputs = _gather(x)

@@ -216,6 +216,70 @@ def test_resync_on_divergence_threshold() -> None:
         assert out["max_divergence"] > 1e-12
 
 
+def _adamw_resync(rank: int, world_size: int) -> dict[str, Any]:
+    model = _ddp(_model())
+    state = CerarState(code=codes.perturbed(world_size, 2 * world_size), resync_every=2)
+    model.register_comm_hook(state, cerar_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state.attach(model, optimizer)
+
+    def moments() -> list[torch.Tensor]:
+        return [torch.cat([s[key].reshape(-1) for s in optimizer.state.values()]) for key in ("exp_avg", "exp_avg_sq")]
+
+    def same_everywhere() -> list[bool]:
+        return [all(torch.equal(g, gathered[0]) for g in gathered) for gathered in map(_gather, moments())]
+
+    optimizer.zero_grad()
+    _loss(model, _batch(rank, 0)).backward()
+    optimizer.step()  # step 1 of 2: no re-sync yet
+    for param_state in optimizer.state.values():  # make every rank's moments clearly different
+        param_state["exp_avg"].add_(float(rank))
+        param_state["exp_avg_sq"].mul_(float(rank + 1))
+    before = same_everywhere()
+    optimizer.zero_grad()
+    _loss(model, _batch(rank, 1)).backward()
+    optimizer.step()  # step 2: the attached hook re-syncs parameters and the moments
+    params = _gather(_flat_params(model))
+    return {
+        "before": before,
+        "after": same_everywhere(),
+        "params": all(torch.equal(p, params[0]) for p in params),
+        "resyncs": state.resyncs,
+    }
+
+
+def test_attached_resync_broadcasts_the_optimizer_state() -> None:
+    for out in check(run_ranks(_adamw_resync, 3, timeout=TIMEOUT)):
+        assert out["before"] == [False, False]
+        assert out["resyncs"] == 1
+        assert out["after"] == [True, True]  # AdamW's exp_avg and exp_avg_sq, as rank 0's
+        assert out["params"]
+
+
+def _state_slots(rank: int, world_size: int) -> dict[str, Any]:
+    state = CerarState(code=codes.perturbed(world_size, 2 * world_size), resync_every=5, divergence_tol=0.1)
+    out: dict[str, Any] = {"has_dict": hasattr(state, "__dict__")}
+    try:
+        state.resync_evry = 10  # type: ignore[attr-defined]
+    except AttributeError as exc:
+        out["misspelt"] = str(exc)
+    state.iteration, state.resyncs, state.last_divergence = 7, 2, 0.05
+    state.stats.bytes_sent = 1234
+    restored = pickle.loads(pickle.dumps(state))
+    names = [n for n in CerarState.__slots__ if n not in ("process_group", "_comm_group")]
+    out["equal"] = {n: repr(getattr(restored, n)) == repr(getattr(state, n)) for n in names}
+    out["groups"] = (restored.process_group, restored._comm_group)
+    return out
+
+
+def test_state_has_slots_and_pickles_over_them() -> None:
+    for out in check(run_ranks(_state_slots, 2, timeout=TIMEOUT)):
+        assert out["has_dict"] is False
+        assert "resync_evry" in out["misspelt"]
+        assert out["equal"] and all(out["equal"].values()), out["equal"]
+        assert out["groups"] == (None, None)  # re-created on the first bucket
+
+
 # ---------------------------------------------------------------------------------------------
 # Non-finite gradients
 

@@ -121,7 +121,7 @@ def test_ranks_0_and_last_decode_exactly(reference: str) -> None:
 
 
 def test_mixed_beats_reference_a_on_interior_ranks() -> None:
-    # DESIGN.md: the mixed reference "about halves the rest" (i.i.d. inputs).
+    # docs/protocol.md, "Mixed reference": it roughly halves the worst rank's error on i.i.d. inputs.
     mixed = codes.perturbed(6, 18, 0.02)
     ref_a = mixed.with_reference("A")
     inputs = np.random.default_rng(4).standard_normal((6, 18 * 100))

@@ -105,7 +105,7 @@ def test_perturbed_cond_same_order_for_every_rank() -> None:
 
 @pytest.mark.parametrize(("n_ranks", "c"), [(4, 8), (4, 12), (8, 16)])
 def test_perturbed_default_delta_balances_wrap_and_rounding(n_ranks: int, c: int) -> None:
-    # DESIGN.md: at fp32 the best delta is about u^(1/(r+1)) (up to a modest factor).
+    # docs/protocol.md, "Where the error floor comes from": the fp32 best delta is about u^(1/(r+1)) (modest factor).
     r = math.ceil(c / n_ranks) - 1
     code = codes.perturbed(n_ranks, c)
     delta = code.params["delta"]
@@ -254,3 +254,108 @@ def test_two_ranks_always_exact(c: int) -> None:
     assert np.max(code.cond) < 10  # nothing to trade: the automatic delta spreads the nodes out
     inputs = np.random.default_rng(c).standard_normal((2, 30 * c))
     assert simulate(code, inputs, "fp32").worst_relative_error < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry and the one parameter search
+
+
+def test_registry_names_every_construction() -> None:
+    assert list(codes.CONSTRUCTIONS) == ["perturbed", "optimized", "vandermonde", "exact"]
+    for name in codes.__all__:
+        assert getattr(codes, name) is not None  # no lazy names left: everything is defined
+    assert not hasattr(codes, "__getattr__")
+
+
+@pytest.mark.parametrize(
+    ("name", "components", "direct"),
+    [
+        ("perturbed", 8, lambda: codes.perturbed(4, 8, None, "fp64")),
+        ("vandermonde", 5, lambda: codes.vandermonde(4, 5, None, "fp64")),
+        ("exact", 4, lambda: codes.exact(4)),
+        ("optimized", 8, lambda: codes.optimized(4, 8, "fp64", refine=False, cache=False)),
+    ],
+)
+def test_build_equals_the_construction(name: str, components: int, direct) -> None:
+    options = {"refine": False, "cache": False} if name == "optimized" else {}
+    built = codes.build(name, 4, components, "fp64", **options)
+    assert built == direct()
+    assert codes.CONSTRUCTIONS[name](4, components, "fp64", **options) == built
+    assert built.reference == "mixed"
+
+
+def test_build_passes_options_and_reference() -> None:
+    assert codes.build("perturbed", 4, 8, delta=0.01, spread_seam=True) == codes.perturbed(4, 8, 0.01, spread_seam=True)
+    assert codes.build("vandermonde", 4, 6, eps=0.05, reference="A") == codes.vandermonde(4, 6, 0.05, reference="A")
+    assert codes.build("exact", 4, 4, reference="A") == codes.exact(4).with_reference("A")
+    optimized = codes.optimized(4, 8, refine=False, cache=False)
+    assert codes.build("optimized", 4, 8, reference="A", refine=False, cache=False) == optimized.with_reference("A")
+    assert codes.build("optimized", 4, 8, refine=False, kappa=1e3).params["kappa"] == 1e3
+    # The automatic delta is tuned for the decoder it is built with, not swapped in afterwards.
+    assert codes.build("perturbed", 4, 10, reference="A") == codes.perturbed(4, 10, reference="A")
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda: codes.build("magic", 4, 8), ValueError, ["'name'", "'magic'", "'perturbed'", "'exact'"]),
+        (lambda: codes.build(None, 4, 8), ValueError, ["'name'", "None"]),  # type: ignore[arg-type]
+        (lambda: codes.build("exact", 4, 5), ValueError, ["'components'", "5", "exact"]),
+        (lambda: codes.build("exact", 4, 4, "fp8"), ValueError, ["'precision'", "'fp8'"]),
+        (lambda: codes.build("exact", 4, 4, reference="B"), ValueError, ["'reference'", "'B'"]),
+        (lambda: codes.build("vandermonde", 4, 6, delta=0.1), TypeError, ["'delta'", "'vandermonde'", "eps"]),
+        (lambda: codes.build("perturbed", 4, 8, eps=0.1), TypeError, ["'eps'", "'perturbed'", "delta"]),
+        (lambda: codes.build("exact", 4, 4, delta=0.1), TypeError, ["'delta'", "'exact'", "reference"]),
+        (lambda: codes.build("optimized", 4, 8, eps=0.1), TypeError, ["'eps'", "kappa", "refine", "cache"]),
+        (lambda: codes.build("perturbed", 1, 8), ValueError, ["'world_size'", "1"]),
+    ],
+)
+def test_build_rejects(call, error: type[Exception], words: list[str]) -> None:
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    assert all(word in message for word in words), message
+
+
+def test_search_finds_a_minimum_across_decades() -> None:
+    from cerar.coding.search import minimise_log_parameter
+
+    calls: list[float] = []
+
+    def score(value: float) -> float:
+        calls.append((math.log(value) - math.log(3e-5)) ** 2)
+        return calls[-1]
+
+    found = minimise_log_parameter(score, 1e-9, 1.0, points=28, refinements=12)
+    assert found.parameter == pytest.approx(3e-5, rel=1e-3)
+    assert len(calls) == 28 + 2 + 12  # grid, two golden points, one per refinement
+    assert found.score == min(calls) == score(found.parameter)  # the best point it scored
+    assert minimise_log_parameter(score, 1e-9, 1.0) == found  # deterministic
+
+
+def test_search_treats_nan_and_inf_as_worst() -> None:
+    from cerar.coding.search import minimise_log_parameter
+
+    def score(value: float) -> float:
+        return math.nan if value < 1e-3 else (math.inf if value > 0.5 else value)
+
+    found = minimise_log_parameter(score, 1e-6, 1.0, points=10, refinements=4)
+    assert 1e-3 <= found.parameter <= 0.5 and found.score == found.parameter
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"low": 0.0, "high": 1.0}, ValueError, "low"),
+        ({"low": 1.0, "high": 1.0}, ValueError, "high"),
+        ({"low": 1e-3, "high": math.inf}, ValueError, "high"),
+        ({"low": 1e-3, "high": 1.0, "points": 1}, ValueError, "points"),
+        ({"low": 1e-3, "high": 1.0, "refinements": -1}, ValueError, "refinements"),
+        ({"low": 1e-3, "high": 1.0, "points": 2.0}, TypeError, "points"),
+    ],
+)
+def test_search_bad_arguments(kwargs: dict, error: type[Exception], name: str) -> None:
+    from cerar.coding.search import minimise_log_parameter
+
+    with pytest.raises(error, match=f"'{name}'"):
+        minimise_log_parameter(lambda value: value, **kwargs)

@@ -168,10 +168,28 @@ def test_cache_dir_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 
 def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    reference = codes.optimized(4, 12, refine=False, cache=False)
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("CERAR_CACHE_DIR", str(blocker / "sub"))  # a path under a file
-    assert codes.optimized(4, 12, refine=False).components == 12
+    code = codes.optimized(4, 12, refine=False)
+    assert code == reference and code.fingerprint == reference.fingerprint
+    assert code.to_dict()["nodes"] == reference.to_dict()["nodes"]
+    assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+def test_failed_cache_write_is_a_miss_and_leaves_nothing(_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A write that fails at the last step (a read-only or full disk; chmod cannot show it to root).
+    import cerar._files
+
+    reference = codes.optimized(4, 12, refine=False, cache=False)
+
+    def refuse(*args: object) -> None:
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(cerar._files.os, "replace", refuse)
+    assert codes.optimized(4, 12, refine=False) == reference
+    assert list(_cache.iterdir()) == []  # no entry, no temporary left behind
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The ring schedule, and an independent route to the protocol's answer.
 
-The reference at the bottom of this file follows DESIGN.md's send rule literally,
+The reference at the bottom of this file follows the send rule of docs/protocol.md, "The ring rounds", literally,
 ``p_i(t) = p_{i-1}(t-1) + a_i(t) - a_i(t-N)`` with ``a_i(t) = F(t-i) X_i``, tracking symbolically
 which rank's injection ``F(n) X_i`` sits in which packet. It builds each rank's observation
 system from that bookkeeping alone (no :class:`cerar.Schedule`, no
-``Code.observation_matrices``) and decodes with the definitions of DESIGN.md.
+``Code.observation_matrices``) and decodes with the definitions of docs/protocol.md, "Decoders".
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ def test_schedule_invalid_arguments() -> None:
         schedule.step(4, 1)
     with pytest.raises(ValueError, match=r"'rank'.*-1"):
         schedule.step(-1, 1)
-    with pytest.raises(ValueError, match=r"'round'.*0"):
+    with pytest.raises(ValueError, match=r"'round_index'.*0"):
         schedule.step(0, 0)
-    with pytest.raises(ValueError, match=r"'round'.*11"):
+    with pytest.raises(ValueError, match=r"'round_index'.*11"):
         schedule.step(0, 11)
     with pytest.raises(ValueError, match=r"'code'.*c=12"):
         schedule.plan(codes.perturbed(4, 12, 1e-2), 0)
@@ -136,7 +136,7 @@ def reference_matrices(code: Code, rank: int) -> dict[int, np.ndarray]:
 
 
 def reference_decoder(code: Code, rank: int, reference: str) -> np.ndarray:
-    """``W_j`` from DESIGN.md's definitions, applied to the bookkeeping's matrices.
+    """``W_j`` from the definitions of docs/protocol.md, "Decoders", applied to the bookkeeping's matrices.
 
     mixed: the decoder that is exact when every other rank holds the same ``g``:
     ``O = (sum_i M_i) g`` and ``S - X_j = (N-1) g``. A: exact when the code does not wrap, i.e.
@@ -176,7 +176,7 @@ def literal_ring(code: Code, inputs: np.ndarray) -> list[np.ndarray]:
 
 
 def test_symbolic_bookkeeping_matches_design_formula() -> None:
-    # DESIGN.md: o_j(t) = sum_{h=1}^{N-1} F((t-h+1) - (j-h mod N)) X_{j-h}.
+    # docs/protocol.md, "Observations": o_j(t) = sum_{h=1}^{N-1} F((t-h+1) - (j-h mod N)) X_{j-h}.
     for n_ranks, c in [(2, 3), (3, 5), (4, 8), (5, 7)]:
         observations = symbolic_observations(n_ranks, c)
         for j in range(n_ranks):

@@ -119,7 +119,7 @@ def test_float32_error_agrees_with_model(n_ranks: int, c: int) -> None:
     assert np.all(simulated <= 1.2 * predicted), (simulated, predicted)
     # The model is calibrated: the worst rank lands within a factor 2 of its prediction.
     assert 0.5 * np.max(predicted) <= np.max(simulated), (simulated, predicted)
-    # The worst rank at fp32 sits near DESIGN.md's floor u^(1/(r+1)) (within a factor 10).
+    # The fp32 worst rank sits near the floor u^(1/(r+1)) of docs/protocol.md, "Where the error floor comes from" (10x).
     r = math.ceil(c / n_ranks) - 1
     floor = UNIT_ROUNDOFF["fp32"] ** (1 / (r + 1))
     assert floor / 10 < np.max(simulated) < 10 * floor
@@ -135,7 +135,7 @@ def test_packet_precisions_order() -> None:
 
 
 def test_nonfinite_input_spreads_to_every_rank() -> None:
-    # DESIGN.md: decoding mixes all c components, so a NaN anywhere reaches every rank.
+    # docs/protocol.md, "Non-finite inputs": a NaN reaches its column (all c components) on every rank.
     code = codes.perturbed(4, 8, 0.01)
     inputs = np.random.default_rng(0).standard_normal((4, 80))
     inputs[2, 5] = np.nan

@@ -42,8 +42,8 @@ def test_fit_slope() -> None:
 def test_ring_references_match_design_figures() -> None:
     x = study.iid_inputs(4, 65536, 0)
     assert study.ring_error(x, "fp64") < 1e-15
-    assert 2e-4 < study.ring_error(x, "fp16") < 8e-4  # DESIGN.md: 4.0e-4 at N = 4
-    assert 1.5e-3 < study.ring_error(x, "bf16") < 6e-3  # DESIGN.md: 3.2e-3
+    assert 2e-4 < study.ring_error(x, "fp16") < 8e-4  # docs/protocol.md, "Reference figures": 4.0e-4 at N = 4
+    assert 1.5e-3 < study.ring_error(x, "bf16") < 6e-3  # docs/protocol.md, "Reference figures": 3.2e-3
 
 
 def test_gradient_like_inputs_share_a_part() -> None:
@@ -54,20 +54,20 @@ def test_gradient_like_inputs_share_a_part() -> None:
 
 def test_tradeoff_points() -> None:
     data = study.tradeoff_study((4,), (2, 3), ("fp32",), 32, 0)
-    assert {p["method"] for p in data["points"]} == {"perturbed", "perturbed-spread", "optimized"}
+    assert {p["design"] for p in data["points"]} == set(study.DESIGNS) == {"perturbed", "perturbed-spread", "optimized"}
     for p in data["points"]:
         c = p["components"]
         assert p["bytes_per_element"] == pytest.approx(4 * (1 + 2 / c))
         assert 0 < p["error"] < (1e-3 if c == 8 else 1e-2)
     assert data["references"]["4"]["fp16"]["bytes"] == pytest.approx(2 * 1.5)
     # the spread/optimized curve lies below the plain one at c = 3N
-    error = {p["method"]: p["error"] for p in data["points"] if p["components"] == 12}
+    error = {p["design"]: p["error"] for p in data["points"] if p["components"] == 12}
     assert error["optimized"] < error["perturbed-spread"] < 0.7 * error["perturbed"]
 
 
-def test_tradeoff_rejects_unknown_method() -> None:
-    with pytest.raises(ValueError, match="method"):
-        study.tradeoff_study((4,), (2,), ("fp32",), 8, 0, methods=("rotated",))
+def test_tradeoff_rejects_unknown_design() -> None:
+    with pytest.raises(ValueError, match=r"Argument 'designs' must hold names from .*, not 'rotated'"):
+        study.tradeoff_study((4,), (2,), ("fp32",), 8, 0, designs=("rotated",))
 
 
 def test_study_command_writes_figures_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

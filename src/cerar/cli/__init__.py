@@ -1,4 +1,4 @@
-"""The ``cerar`` command line: a thin entry point over :mod:`cerar.commands`.
+"""The ``cerar`` command line: a thin entry point over one module per command.
 
 Each sub-command lives in its own module with ``add_parser(subparsers)`` and ``run(args)``;
 modules load only when their command runs, so ``cerar design`` never imports torch.
@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+from cerar.experiments._extras import MissingExtraError
 
 COMMANDS: dict[str, str] = {
     "design": "cerar.cli.design",
@@ -47,6 +49,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[args.command])
     try:
         return int(module.run(args) or 0)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, MissingExtraError) as exc:  # a missing extra's message names it
         print(f"cerar {args.command}: error: {exc}", file=sys.stderr)
         return 2

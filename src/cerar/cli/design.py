@@ -16,7 +16,7 @@ from cerar.coding.code import Code
 from cerar.coding.precision import precision_name
 from cerar.protocol.simulate import simulate
 
-CONSTRUCTIONS = ("perturbed", "vandermonde", "exact", "optimized")
+CONSTRUCTIONS = tuple(codes.CONSTRUCTIONS)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,17 +35,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def build_code(args: argparse.Namespace) -> Code:
     n_ranks = args.world_size
-    components = args.components if args.components is not None else 2 * n_ranks
-    if args.construction == "exact":
-        if args.components is not None and args.components != n_ranks:
-            raise ValueError(f"Argument 'components' must equal world_size for 'exact', not {components}.")
-        return codes.exact(n_ranks).with_reference(args.reference)
-    if args.construction == "vandermonde":
-        return codes.vandermonde(n_ranks, components, args.eps, args.precision, reference=args.reference)
-    if args.construction == "optimized":
-        code = codes.optimized(n_ranks, components, args.precision)
-        return code.with_reference(args.reference)
-    return codes.perturbed(n_ranks, components, args.delta, args.precision, reference=args.reference)
+    default = n_ranks if args.construction == "exact" else 2 * n_ranks  # exact has c = N only
+    components = args.components if args.components is not None else default
+    # --delta and --eps tune one construction each: given to another, build() names the mistake.
+    tuning = {name: value for name, value in (("delta", args.delta), ("eps", args.eps)) if value is not None}
+    return codes.build(args.construction, n_ranks, components, args.precision, reference=args.reference, **tuning)
 
 
 def describe(code: Code, precision: str, size: int, seed: int) -> dict[str, Any]:

@@ -58,7 +58,13 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cerar.experiments._extras import require
+
+    # Before the work: the figures come last, a missing extra should not cost the study's time.
+    require("matplotlib", "bench", needed_by="cerar study")
     if getattr(args, "gradients", False):
+        if args.capture is None:  # training the model to capture its gradients
+            require("transformers", "train", needed_by="cerar study --gradients")
         return _run_gradients(args)
     world_sizes = [4] if args.quick else list(args.world_sizes)
     size = 64 if args.quick else args.size
@@ -87,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     for point in tradeoff["points"]:
         if point["precision"] == "fp32":
             print(
-                f"N={point['world_size']:>2} c={point['components']:>3} {point['method']:>16} fp32: "
+                f"N={point['world_size']:>2} c={point['components']:>3} {point['design']:>16} fp32: "
                 f"{point['bytes_per_element']:.2f} B/elem, worst-rank error {point['error']:.3g}"
             )
     elapsed = time.perf_counter() - started
@@ -100,6 +106,7 @@ def _run_gradients(args: argparse.Namespace) -> int:
     from cerar.experiments.study import capture as gradient_capture
     from cerar.experiments.study import gradients as gradient_study
     from cerar.experiments.train.config import ModelConfig
+    from cerar.harness.progress import parse_progress
 
     out: Path = args.out
     started = time.perf_counter()
@@ -116,10 +123,10 @@ def _run_gradients(args: argparse.Namespace) -> int:
         path = out / "gradients_capture.npz"
 
         def echo(rank: int, stream: str, line: str) -> None:
-            if stream == "stdout" and line.startswith(gradient_capture.PROGRESS_PREFIX):
-                step, total, loss = line.split()[1:]
-                if int(step) % 20 == 0 or step == total:
-                    print(f"  step {step}/{total} loss {float(loss):.3f}", flush=True)
+            progress = parse_progress(line, gradient_capture.PROGRESS_KIND) if stream == "stdout" else None
+            if progress is not None and (progress.done % 20 == 0 or progress.done == progress.total):
+                loss = float(progress.detail)
+                print(f"  step {progress.done}/{progress.total} loss {loss:.3f}", flush=True)
 
         print(f"training on {args.world_size} ranks for {steps} steps, capturing local gradients ...", flush=True)
         capture = gradient_capture.capture_gradients(

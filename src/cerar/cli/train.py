@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cerar.experiments.train.config import TrainConfig, add_config_arguments, config_from_args
+from cerar.experiments.train.methods import HOOKS
 
 DEFAULT_METHODS = ("allreduce", "cerar:2N", "cerar:3N", "fp16", "powersgd")
 
@@ -38,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--methods",
         nargs="+",
         default=list(DEFAULT_METHODS),
-        help="methods: allreduce, ring, cerar[:c|:kN], fp16, bf16, powersgd[:r] (default: %(default)s)",
+        help=f"methods: {', '.join(h.usage for h in HOOKS.values())} (default: %(default)s)",
     )
     p.add_argument("--world-size", "-N", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--regime", choices=("fast", "slow"), default="slow", help="network (default slow)")
@@ -84,94 +85,18 @@ def plan_runs(args: argparse.Namespace) -> list[TrainConfig]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from cerar.experiments.train import report
-    from cerar.experiments.train.worker import PROGRESS_PREFIX
-    from cerar.harness.launch import launch
 
     configs = plan_runs(args)
+    _require_extras(args)  # before any run: a missing extra should not cost a run's time
     if args.regime == "slow":
         from cerar.harness.netem import unavailable_reason
 
         reason = unavailable_reason()
         if reason is not None:
             raise ValueError(f"Argument 'regime' 'slow' is unavailable here: {reason}.")
-    runs_dir = args.out / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(
-        total=sum(c.steps for c in configs),
-        unit="step",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        mininterval=0.2 if sys.stderr.isatty() else 10.0,  # a log file gets a line now and then
-    )
-    lock = threading.Lock()
-    runs: list[dict[str, Any]] = []
-    link_rates: list[float] = []
     started = time.perf_counter()
-    reused_wall_s = 0.0  # ranks' wall time of reused runs, counted in the total
-    for config in configs:
-        config_path = runs_dir / f"{config.label}.config.json"
-        out_path = runs_dir / f"{config.label}.json"
-        reused = _reusable(out_path, config, args) if args.reuse else None
-        if reused is not None:
-            runs.append(reused)
-            reused_wall_s += float((reused.get("launch") or {}).get("wall_s", 0.0))
-            rate = (reused.get("launch") or {}).get("link_rate_bytes_per_s")
-            if rate:
-                link_rates.append(rate)
-            bar.update(config.steps)
-            continue
-        config_path.write_text(config.to_json())
-        done = {"steps": 0}
-        bar.set_description(config.label)
-
-        def follow(rank: int, stream: str, line: str, done: dict[str, int] = done) -> None:
-            # Rank 0's progress lines drive the bar (from the launcher's reader thread).
-            if rank == 0 and stream == "stdout" and line.startswith(PROGRESS_PREFIX):
-                step = int(line.split()[1])
-                with lock:
-                    bar.update(step - done["steps"])
-                    done["steps"] = step
-
-        command = [
-            sys.executable,
-            "-m",
-            "cerar.experiments.train.worker",
-            "--config",
-            str(config_path),
-            "--out",
-            str(out_path),
-            "--progress",
-            "lines",
-        ]
-        load_before = os.getloadavg()[0]
-        result = launch(
-            command,
-            args.world_size,
-            regime=args.regime,
-            rate=args.rate,
-            delay=args.delay,
-            timeout_s=args.timeout_s,
-            on_line=follow,
-        )
-        if result.link_rate_bytes_per_s:
-            link_rates.append(result.link_rate_bytes_per_s)
-        run_record = json.loads(out_path.read_text())
-        # The machine may be shared: the load average says how much others competed for the CPUs.
-        run_record["launch"] = {
-            "world_size": args.world_size,
-            "regime": result.regime,
-            "rate": result.rate,
-            "wall_s": result.wall_s,
-            "link_rate_bytes_per_s": result.link_rate_bytes_per_s,
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg()[0],
-        }
-        out_path.write_text(json.dumps(run_record))
-        runs.append(run_record)
-    bar.close()
+    runs, link_rates, reused_wall_s = _run_all(configs, args)
 
     link_rate = sum(link_rates) / len(link_rates) if link_rates else None
     target = args.target_loss if args.target_loss is not None else report.default_target(runs)
@@ -189,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         "link_rate_bytes_per_s": link_rate,
         "target_val_loss": target,
         "noise_spread": spread,
-        "total_wall_s": time.perf_counter() - started + reused_wall_s,
+        "total_wall_s": time.perf_counter() - started + reused_wall_s,  # reused runs count their own time
         "runs": [s.as_dict() for s in summaries],
         "comparisons": comparisons,
         "configs": [c.to_dict() for c in configs],
@@ -203,13 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    regime = f"slow, {args.rate}" if args.regime == "slow" else "fast (loopback)"
-    first = configs[0]
-    print(
-        f"cerar train: N = {args.world_size}, {regime}, {first.steps} steps x {first.batch_size} seq x "
-        f"{first.model.seq_len} bytes per rank, GPT-NeoX {first.model.layers}L/{first.model.hidden}H "
-        f"({summaries[0].parameters / 1e6:.2f} M parameters); total {summary['total_wall_s']:.0f} s"
-    )
+    _print_summary(args, configs[0], summary, summaries)
     print(
         report.format_table(
             summaries, target=target, spread=spread, comparisons=comparisons, link_rate_bytes_per_s=link_rate
@@ -217,6 +136,100 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"\nwrote {args.out / 'summary.json'}" + ("" if args.no_plots else ", loss.png, breakdown.png"))
     return 0
+
+
+def _require_extras(args: argparse.Namespace) -> None:
+    from cerar.experiments._extras import require
+
+    require("tqdm", "train")
+    require("transformers", "train")
+    if not args.no_plots:
+        require("matplotlib", "train")
+
+
+def _run_all(configs: list[TrainConfig], args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[float], float]:
+    """Every run in turn (or its stored record with ``--reuse``), one progress bar over all
+    steps; return the run records, the link rates the launcher measured, and the wall time of the
+    reused runs."""
+    from tqdm import tqdm
+
+    runs_dir = args.out / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(
+        total=sum(c.steps for c in configs),
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.2 if sys.stderr.isatty() else 10.0,  # a log file gets a line now and then
+    )
+    runs: list[dict[str, Any]] = []
+    reused_wall_s = 0.0
+    for config in configs:
+        out_path = runs_dir / f"{config.label}.json"
+        record = _reusable(out_path, config, args) if args.reuse else None
+        if record is not None:
+            reused_wall_s += float((record.get("launch") or {}).get("wall_s", 0.0))
+            bar.update(config.steps)
+        else:
+            bar.set_description(config.label)
+            record = _launch_run(config, runs_dir / f"{config.label}.config.json", out_path, args, bar)
+        runs.append(record)
+    bar.close()
+    rates = [rate for r in runs if (rate := (r.get("launch") or {}).get("link_rate_bytes_per_s"))]
+    return runs, rates, reused_wall_s
+
+
+def _launch_run(
+    config: TrainConfig, config_path: Path, out_path: Path, args: argparse.Namespace, bar: Any
+) -> dict[str, Any]:
+    """Launch the ranks of one run on the chosen network; return rank 0's record with the
+    launch's figures added (also written back to ``out_path``)."""
+    from cerar.experiments.train.worker import PROGRESS_KIND
+    from cerar.harness.launch import launch
+    from cerar.harness.progress import parse_progress
+
+    config_path.write_text(config.to_json())
+    lock = threading.Lock()
+    done = {"steps": 0}
+
+    def follow(rank: int, stream: str, line: str, done: dict[str, int] = done) -> None:
+        # Rank 0's progress lines drive the bar (from the launcher's reader thread).
+        progress = parse_progress(line, PROGRESS_KIND) if rank == 0 and stream == "stdout" else None
+        if progress is not None:
+            step = progress.done
+            with lock:
+                bar.update(step - done["steps"])
+                done["steps"] = step
+
+    worker = [sys.executable, "-m", "cerar.experiments.train.worker"]
+    command = [*worker, "--config", str(config_path), "--out", str(out_path), "--progress", "lines"]
+    load_before = os.getloadavg()[0]
+    network = {"regime": args.regime, "rate": args.rate, "delay": args.delay}
+    result = launch(command, args.world_size, timeout_s=args.timeout_s, on_line=follow, **network)
+    record = json.loads(out_path.read_text())
+    # The machine may be shared: the load average says how much others competed for the CPUs.
+    record["launch"] = {
+        "world_size": args.world_size,
+        "regime": result.regime,
+        "rate": result.rate,
+        "wall_s": result.wall_s,
+        "link_rate_bytes_per_s": result.link_rate_bytes_per_s,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+    }
+    out_path.write_text(json.dumps(record))
+    return record
+
+
+def _print_summary(
+    args: argparse.Namespace, first: TrainConfig, summary: dict[str, Any], summaries: list[Any]
+) -> None:
+    regime = f"slow, {args.rate}" if args.regime == "slow" else "fast (loopback)"
+    print(
+        f"cerar train: N = {args.world_size}, {regime}, {first.steps} steps x {first.batch_size} seq x "
+        f"{first.model.seq_len} bytes per rank, GPT-NeoX {first.model.layers}L/{first.model.hidden}H "
+        f"({summaries[0].parameters / 1e6:.2f} M parameters); total {summary['total_wall_s']:.0f} s"
+    )
 
 
 def _reusable(path: Path, config: TrainConfig, args: argparse.Namespace) -> dict[str, Any] | None:

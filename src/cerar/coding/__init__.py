@@ -1,0 +1,1 @@
+"""The maths of CERAR, numpy/scipy only: codes, constructions, decoders, error analysis, designs."""

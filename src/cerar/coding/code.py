@@ -14,8 +14,6 @@ the code is exact.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,21 +22,30 @@ import numpy as np
 
 from cerar._checks import check_choice, check_int
 from cerar.coding import seam
-from cerar.coding.decoders import RankAnalysis, SingularCodeError, Sources, analyse_nodes, analyse_rows, krylov_inverse
+from cerar.coding.code_json import CodeJson
+from cerar.coding.decoders import (
+    RankAnalysis,
+    SingularCodeError,
+    Sources,
+    analyse_nodes,
+    analyse_rows,
+    krylov_inverse,
+    predicted_relative_error,
+)
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 
 REFERENCES: tuple[str, ...] = ("mixed", "A")
 
 __all__ = ["REFERENCES", "Code", "SingularCodeError"]
-_JSON_FORMAT = "cerar.coding.code/1"
 
 
-class Code:
+class Code(CodeJson):
     """A CERAR code for ``world_size`` ranks and ``components`` components.
 
     Build one with a construction from :mod:`cerar.coding.codes` (``exact``, ``perturbed``,
     ``vandermonde``, ``optimized``), from a node set with :meth:`Code.from_nodes`, or from any
-    table of rows with the constructor.
+    table of rows with the constructor. JSON (``to_json``, ``from_json``, ``to_dict``,
+    ``from_dict``), ``fingerprint`` and equality come from :class:`cerar.coding.code_json.CodeJson`.
 
     Args:
         world_size: ``N``, the number of ranks on the ring (at least 2).
@@ -309,23 +316,12 @@ class Code:
         """
         u = UNIT_ROUNDOFF[precision_name(precision)]
         chosen = range(self.world_size) if ranks is None else [self._check_rank(j) for j in ranks]
-        return np.array([self._predicted(j, u) for j in chosen])
+        n, energy = self.world_size, self._mean_row_energy
+        return np.array([predicted_relative_error(self._analysis(j), n, energy, u) for j in chosen])
 
     def predicted_worst_error(self, precision: Any = "fp32") -> float:
         """The largest of :meth:`predicted_error` over ranks."""
         return float(np.max(self.predicted_error(precision)))
-
-    def _predicted(self, j: int, u: float) -> float:
-        n_ranks, c = self.world_size, self.components
-        analysis = self._analysis(j)
-        exact_sq = analysis.wrap_fro2 / (n_ranks * c)
-        energy = self._mean_row_energy
-        rounds = np.arange(1, self.rounds + 1)
-        per_round = energy * (np.minimum(rounds, n_ranks) + 1) * u * u / 3.0
-        accumulated = np.cumsum(per_round)[n_ranks - 2 :]  # observation rounds N-1 .. L
-        w = analysis.decoder
-        rounding_sq = float(np.sum(np.sum(w**2, axis=0) * accumulated)) / (n_ranks * c)
-        return math.sqrt(exact_sq + rounding_sq)
 
     def _check_rank(self, rank: int) -> int:
         rank = check_int("rank", rank, minimum=0)
@@ -377,7 +373,7 @@ class Code:
         return self._vinv
 
     # ----------------------------------------------------------------------------------------
-    # Variants, identity and serialisation
+    # Variants (identity and serialisation: see CodeJson)
     def with_reference(self, reference: str) -> Code:
         """The same rows with another decoder (``"mixed"`` or ``"A"``)."""
         return Code(
@@ -389,78 +385,6 @@ class Code:
             spread_seam=self.spread_seam and reference == "mixed",
             _nodes=self._nodes,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready description from which :meth:`from_dict` rebuilds the same code."""
-        out: dict[str, Any] = {
-            "format": _JSON_FORMAT,
-            "world_size": self.world_size,
-            "components": self.components,
-            "construction": self.construction,
-            "params": self.params,
-            "reference": self.reference,
-        }
-        if self.spread_seam:
-            out["spread_seam"] = True
-        if self._nodes is not None:
-            out["nodes"] = {"radius": self._nodes[0].tolist(), "angle": self._nodes[1].tolist()}
-        else:
-            out["rows"] = self._rows.tolist()
-        return out
-
-    def to_json(self) -> str:
-        """Canonical JSON text (sorted keys, float64 round-trip)."""
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Code:
-        """Inverse of :meth:`to_dict`; raises ValueError on anything malformed."""
-        if not isinstance(data, Mapping) or data.get("format") != _JSON_FORMAT:
-            raise ValueError(f"Argument 'data' is not a {_JSON_FORMAT} description: {data!r:.200}.")
-        common = {
-            "construction": data.get("construction", "custom"),
-            "params": data.get("params", {}),
-            "reference": data.get("reference", "mixed"),
-        }
-        if "nodes" in data:
-            nodes = data["nodes"]
-            code = cls.from_nodes(
-                data["world_size"],
-                nodes["radius"],
-                nodes["angle"],
-                spread_seam=bool(data.get("spread_seam", False)),
-                **common,
-            )
-        else:
-            code = cls(data["world_size"], np.array(data["rows"]), **common)
-        if code.components != data.get("components"):
-            raise ValueError(
-                f"Code description says components={data.get('components')!r} but its rows "
-                f"give {code.components}."
-            )
-        return code
-
-    @classmethod
-    def from_json(cls, text: str) -> Code:
-        """Inverse of :meth:`to_json`."""
-        try:
-            data = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"Argument 'text' is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
-
-    @property
-    def fingerprint(self) -> str:
-        """SHA-256 of :meth:`to_json`: ranks compare it to check they hold the same code."""
-        if self._fingerprint is None:
-            self._fingerprint = hashlib.sha256(self.to_json().encode()).hexdigest()
-        return self._fingerprint
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Code) and self.fingerprint == other.fingerprint
-
-    def __hash__(self) -> int:
-        return hash(self.fingerprint)
 
     def __repr__(self) -> str:
         params = ", ".join(

@@ -1,22 +1,26 @@
-"""Code constructions: ``exact``, ``perturbed`` (roots of unity), ``vandermonde``.
+"""The code constructions, as users know them (``cerar.codes``), and their one registry.
 
-Every construction returns a :class:`cerar.Code` of the form ``F(n) = u^T Q^n`` given by its
-node set (the eigenvalues of ``Q``). Pure numpy: never imports torch.
+``exact``, ``perturbed`` and ``vandermonde`` live in :mod:`cerar.coding.constructions`,
+``optimized`` and ``choose`` in :mod:`cerar.coding.optimize`; this module re-exports them and
+holds :data:`CONSTRUCTIONS`, the table every command that takes a construction by name (``cerar
+design``, the benchmark, the studies) builds its codes from, so that a new construction is added
+in one place. Pure numpy/scipy: never imports torch.
 """
 
 from __future__ import annotations
 
-import math
+import inspect
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+from cerar._checks import check_choice
+from cerar.coding.code import Code
+from cerar.coding.constructions import check_design, cluster_sizes, exact, perturbed, vandermonde
+from cerar.coding.optimize import choose, optimized
 
-from cerar._checks import check_float, check_int
-from cerar.coding.code import Code, SingularCodeError
-from cerar.coding.precision import precision_name
-
-__all__ = [  # noqa: F822 (optimized and choose come from __getattr__)
+__all__ = [
+    "CONSTRUCTIONS",
+    "build",
     "choose",
     "cluster_sizes",
     "exact",
@@ -26,236 +30,66 @@ __all__ = [  # noqa: F822 (optimized and choose come from __getattr__)
 ]
 
 
-def cluster_sizes(world_size: int, components: int) -> list[int]:
-    """Sizes ``s_k`` of the clusters around the N-th roots of unity ``w^k``.
-
-    As even as possible (each ``floor(c/N)`` or ``ceil(c/N)``) and symmetric, ``s_k = s_{N-k}``,
-    so that the node set is closed under conjugation.
-    """
-    n_ranks = check_int("world_size", world_size, minimum=2)
-    c = check_int("components", components, minimum=1)
-    base, extra = divmod(c, n_ranks)
-    sizes = [base] * n_ranks
-    self_conjugate = [0] + ([n_ranks // 2] if n_ranks % 2 == 0 else [])
-    if extra % 2 == 1:
-        sizes[0] += 1
-        extra -= 1
-        self_conjugate.remove(0)
-    # Spread the remaining pairs around the circle rather than bunching them near 1.
-    pairs = list(range(1, (n_ranks + 1) // 2))
-    if pairs and extra >= 2:
-        picks = np.linspace(0, len(pairs), num=extra // 2, endpoint=False).astype(int)
-        for index in picks[: len(pairs)]:
-            k = pairs[index]
-            sizes[k] += 1
-            sizes[n_ranks - k] += 1
-            extra -= 2
-    for k in self_conjugate:
-        if extra == 0:
-            break
-        sizes[k] += 1
-        extra -= 1
-    assert extra == 0 and sum(sizes) == c, (sizes, c)
-    return sizes
-
-
-def _perturbed_nodes(world_size: int, components: int, delta: float) -> tuple[np.ndarray, np.ndarray]:
-    sizes = cluster_sizes(world_size, components)
-    angles: list[float] = []
-    for k, size in enumerate(sizes):
-        centre = 2 * math.pi * k / world_size
-        offsets = [delta * (l - (size - 1) / 2) for l in range(size)]
-        if k == 0 or 2 * k == world_size:
-            # Self-conjugate cluster: keep the offset-0 node (real) and one node of each pair.
-            for offset in offsets:
-                if offset == 0:
-                    angles.append(centre)
-                elif offset > 0:
-                    angles.append(offset if k == 0 else math.pi - offset)
-        elif 2 * k < world_size:
-            angles.extend(centre + offset for offset in offsets)
-    angle_array = np.array(angles)
-    return np.ones_like(angle_array), angle_array
-
-
-def _max_delta(world_size: int, components: int) -> float:
-    # Clusters must not overlap their neighbours: s_max * delta < 2 pi / N.
-    return 2 * math.pi / (world_size * math.ceil(components / world_size))
-
-
-def exact(world_size: int) -> Code:
-    """``c = N`` nodes at the N-th roots of unity: exact decoding at ring all-reduce's rate."""
-    world_size = check_int("world_size", world_size, minimum=2)
-    radii, angles = _perturbed_nodes(world_size, world_size, 0.0)
-    return Code.from_nodes(world_size, radii, angles, construction="exact")
-
-
-def perturbed(
+def _perturbed(
     world_size: int,
     components: int,
-    delta: float | None = None,
     precision: Any = "fp32",
     *,
+    delta: float | None = None,
     reference: str = "mixed",
     spread_seam: bool = False,
 ) -> Code:
-    """Symmetric clusters of nodes around the N-th roots of unity (multiplicative perturbation).
-
-    Cluster ``k`` holds ``s_k`` nodes ``w^k exp(i delta (l - (s_k-1)/2))``. The wrap error is
-    ``O(N delta)`` and the condition number ``O(delta^-r)`` with ``r = ceil(c/N) - 1``.
-
-    Args:
-        world_size: ``N`` (at least 2).
-        components: ``c`` (at least 1). ``c <= N`` gives an exact code.
-        delta: angular spacing inside a cluster, ``0 <= delta < 2 pi / (N ceil(c/N))``. ``None``
-            picks the delta that minimises :meth:`Code.predicted_worst_error` at ``precision``.
-        precision: packet precision the automatic delta is tuned for (``"fp32"``, ``"fp64"``...).
-        reference: decoder, ``"mixed"`` (default) or ``"A"``.
-        spread_seam: encode rank ``i``'s input as ``Z^i X_i`` (see :mod:`cerar.coding.seam`; needs the
-            mixed decoder). The wrap error is then shared by all ``N`` links, about ``sqrt(3)``
-            smaller at equal ``delta``; the automatic delta is tuned for the spread code, and
-            ``params`` records ``spread_seam: True``.
-    """
-    world_size = check_int("world_size", world_size, minimum=2)
-    components = check_int("components", components, minimum=1)
-    precision = precision_name(precision)
-    if not isinstance(spread_seam, bool):
-        raise TypeError(f"Argument 'spread_seam' must be a bool, not {spread_seam!r}.")
-    limit = _max_delta(world_size, components)
-    clustered = components > world_size
-    if delta is None:
-        delta = 0.0
-        if clustered:
-            delta = _best_parameter(
-                lambda value: Code.from_nodes(
-                    world_size,
-                    *_perturbed_nodes(world_size, components, value),
-                    reference=reference,
-                    spread_seam=spread_seam,
-                ),
-                1e-9,
-                0.95 * limit,
-                world_size,
-                precision,
-            )
-    else:
-        delta = check_float("delta", delta, nonnegative=True)
-        if delta >= limit:
-            raise ValueError(
-                f"Argument 'delta' must be less than 2*pi/(N*ceil(c/N)) = {limit:.4g} so that "
-                f"clusters do not overlap, not {delta}."
-            )
-        if clustered and delta == 0.0:
-            raise ValueError(
-                f"Argument 'delta' must be positive when components ({components}) > world_size "
-                f"({world_size}): clustered nodes would coincide; got {delta}."
-            )
-    radii, angles = _perturbed_nodes(world_size, components, delta if clustered else 0.0)
-    params: dict[str, Any] = {"delta": float(delta) if clustered else 0.0, "precision": precision}
-    if spread_seam:
-        # Only when set, so that plain codes keep the descriptions (and fingerprints) they had.
-        params["spread_seam"] = True
-    return Code.from_nodes(
-        world_size,
-        radii,
-        angles,
-        construction="perturbed",
-        params=params,
-        reference=reference,
-        spread_seam=spread_seam,
-    )
+    return perturbed(world_size, components, delta, precision, reference=reference, spread_seam=spread_seam)
 
 
-def vandermonde(
-    world_size: int,
-    components: int,
-    eps: float | None = None,
-    precision: Any = "fp32",
-    *,
-    reference: str = "mixed",
+def _vandermonde(
+    world_size: int, components: int, precision: Any = "fp32", *, eps: float | None = None, reference: str = "mixed"
 ) -> Code:
-    """``c`` real nodes ``(1 + eps)^l``, ``l = 0..c-1``: error ``O(eps)``, cond ``O(eps^-(c-1))``.
+    return vandermonde(world_size, components, eps, precision, reference=reference)
 
-    Args:
-        world_size: ``N`` (at least 2).
-        components: ``c`` (at least 1).
-        eps: node spacing, ``0 < eps <= 1``. ``None`` picks the eps that minimises the predicted
-            worst-rank error at ``precision`` (usually a poor code: this is the ill-conditioned
-            limit the paper warns about).
-        precision: packet precision the automatic eps is tuned for.
-        reference: decoder, ``"mixed"`` (default) or ``"A"``.
-    """
-    world_size = check_int("world_size", world_size, minimum=2)
-    components = check_int("components", components, minimum=1)
-    precision = precision_name(precision)
 
-    def build(value: float) -> Code:
-        radii = (1.0 + value) ** np.arange(components)
-        return Code.from_nodes(
-            world_size,
-            radii,
-            np.zeros(components),
-            construction="vandermonde",
-            params={"eps": value, "precision": precision},
-            reference=reference,
+def _exact(world_size: int, components: int, precision: Any = "fp32") -> Code:
+    # exact has nothing to tune, but a bad precision is still an error.
+    world_size, components, _ = check_design(world_size, components, precision)
+    if components != world_size:
+        raise ValueError(
+            f"Argument 'components' must equal world_size ({world_size}) for construction 'exact', not {components}."
         )
-
-    if eps is None:
-        eps = _best_parameter(build, 1e-6, 1.0, world_size, precision)
-    return build(check_float("eps", eps, positive=True, maximum=1.0))
+    return exact(world_size)
 
 
-def _search_ranks(world_size: int) -> list[int]:
-    # Ranks 0 and N-1 decode exactly; the worst rank sits inside. A handful of interior ranks
-    # finds the optimum at a fraction of the cost of all N.
-    if world_size <= 8:
-        return list(range(world_size))
-    return sorted({1, world_size // 4, world_size // 2, (3 * world_size) // 4, world_size - 2})
+#: Every construction by name, called as ``CONSTRUCTIONS[name](world_size, components, precision,
+#: **options)``, its tuning left to the library unless an option sets it. Options: ``delta``,
+#: ``spread_seam`` and ``reference`` (perturbed), ``eps`` and ``reference`` (vandermonde),
+#: ``kappa``, ``refine`` and ``cache`` (optimized); :func:`build` adds ``reference`` to all.
+#: ``exact`` needs ``components == world_size``. Listed in the order commands show them: tuned
+#: constructions first, the exact code last.
+CONSTRUCTIONS: dict[str, Callable[..., Code]] = {
+    "perturbed": _perturbed,
+    "optimized": optimized,
+    "vandermonde": _vandermonde,
+    "exact": _exact,
+}
 
 
-def _best_parameter(
-    build: Callable[[float], Code], low: float, high: float, world_size: int, precision: str
-) -> float:
-    """The parameter in ``[low, high]`` that minimises the predicted worst-rank error.
+def build(name: str, world_size: int, components: int, precision: Any = "fp32", **options: Any) -> Code:
+    """The code of construction ``name`` (a key of :data:`CONSTRUCTIONS`) for ``N`` ranks and
+    ``c`` components with packets in ``precision``.
 
-    A log-spaced grid, then golden-section refinement around the best grid point. Singular
-    codes count as infinitely bad.
+    ``options`` are the construction's own keywords (see :data:`CONSTRUCTIONS`), plus
+    ``reference`` for every construction: one that tunes itself takes it while tuning (perturbed's
+    automatic delta depends on the decoder), the others (``exact``, ``optimized``, designed for
+    the mixed decoder) get it by :meth:`Code.with_reference` on the same nodes. An option the
+    construction does not take is a TypeError naming it, rather than silently ignored.
     """
-    ranks = _search_ranks(world_size)
-
-    def worst(log_value: float) -> float:
-        try:
-            return float(np.max(build(math.exp(log_value)).predicted_error(precision, ranks)))
-        except SingularCodeError:
-            return math.inf
-
-    grid = np.linspace(math.log(low), math.log(high), 28)
-    values = [worst(x) for x in grid]
-    best = int(np.argmin(values))
-    lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = lo + (1 - ratio) * (hi - lo), lo + ratio * (hi - lo)
-    fa, fb = worst(a), worst(b)
-    for _ in range(12):
-        if fa < fb:
-            hi, b, fb = b, a, fa
-            a = lo + (1 - ratio) * (hi - lo)
-            fa = worst(a)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + ratio * (hi - lo)
-            fb = worst(b)
-    candidates = [(values[best], grid[best]), (fa, a), (fb, b)]
-    return float(math.exp(min(candidates)[1]))
-
-
-_LAZY = ("optimized", "choose")
-
-
-def __getattr__(name: str) -> Any:
-    # cerar.coding.optimize imports this module, so its functions are fetched on first use.
-    if name in _LAZY:
-        from cerar.coding import optimize
-
-        return getattr(optimize, name)
-    raise AttributeError(f"module 'cerar.coding.codes' has no attribute {name!r}")
+    builder = CONSTRUCTIONS[check_choice("name", name, CONSTRUCTIONS)]
+    takes = [p for p in inspect.signature(builder).parameters if p not in ("world_size", "components", "precision")]
+    for option in options:
+        if option not in (*takes, "reference"):
+            listed = ", ".join(sorted({*takes, "reference"}))
+            raise TypeError(f"Argument {option!r} does not apply to construction {name!r}, which takes {listed}.")
+    if "reference" in takes:
+        return builder(world_size, components, precision, **options)
+    reference = options.pop("reference", "mixed")
+    code = builder(world_size, components, precision, **options)
+    return code if reference == code.reference else code.with_reference(reference)

@@ -135,3 +135,21 @@ def _inverse(system: np.ndarray, label: str) -> np.ndarray:
 def krylov_inverse(krylov: np.ndarray, label: str) -> np.ndarray:
     """``V^-1`` with the same singularity check as the decoders."""
     return _inverse(krylov, label)
+
+
+def predicted_relative_error(analysis: RankAnalysis, world_size: int, mean_row_energy: float, u: float) -> float:
+    """The model behind :meth:`cerar.Code.predicted_error` for one rank: the exact-arithmetic
+    error of i.i.d. inputs and the packet rounding, added in quadrature, relative to ``||S||``.
+
+    Each round's rounding is independent noise of variance ``u^2/3`` times the packet's energy
+    (``min(t, N) + 1`` times ``mean_row_energy`` at round ``t``); it accumulates into every later
+    observation and ``W_j`` carries it to the decoded sum. Kept beside the analysis it reads.
+    """
+    n_ranks, c = world_size, analysis.decoder.shape[0]
+    exact_sq = analysis.wrap_fro2 / (n_ranks * c)
+    rounds = np.arange(1, c + n_ranks - 1)  # L = c + N - 2 rounds
+    per_round = mean_row_energy * (np.minimum(rounds, n_ranks) + 1) * u * u / 3.0
+    accumulated = np.cumsum(per_round)[n_ranks - 2 :]  # observation rounds N-1 .. L
+    w = analysis.decoder
+    rounding_sq = float(np.sum(np.sum(w**2, axis=0) * accumulated)) / (n_ranks * c)
+    return math.sqrt(exact_sq + rounding_sq)

@@ -1,12 +1,13 @@
-"""On-disk cache for designs that take seconds to compute (:func:`cerar.coding.codes.optimized`).
+"""On-disk cache for designs that take seconds to compute (:func:`cerar.coding.optimize.optimized`).
 
 One JSON file per entry, named by the SHA-256 of the entry's key (every input of the
 computation, the library version and the algorithm's own version). An entry is trusted only if
 it parses, its stored key equals the requested key, and its code rebuilds; anything else (a
 truncated file, a file from another version, hand-edited JSON) counts as a miss, is recomputed
-and overwritten. Writes go to a temporary file that is then renamed, so a reader never sees a
-half-written entry. A cache directory that cannot be written is not an error: the result is
-simply not cached. Pure standard library plus :class:`cerar.Code`.
+and overwritten. Writes go to a temporary file that is then renamed
+(:func:`cerar._files.atomic_write_text`), so a reader never sees a half-written entry. A cache
+directory that cannot be written is not an error: the result is simply not cached. Pure
+standard library plus :class:`cerar.Code`.
 
 The directory is ``$CERAR_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/cerar``, else
 ``~/.cache/cerar``.
@@ -17,11 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from cerar._files import atomic_write_text
 from cerar.coding.code import Code
 
 __all__ = ["cache_dir", "cached_code", "entry_path"]
@@ -65,15 +66,7 @@ def _load(path: Path, key: Mapping[str, Any]) -> tuple[Code, dict[str, Any]] | N
 def _store(path: Path, key: Mapping[str, Any], code: Code, extra: Mapping[str, Any]) -> None:
     payload = json.dumps({"key": json.loads(_canonical(key)), "code": code.to_dict(), "extra": dict(extra)})
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(payload)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        atomic_write_text(path, payload)  # creates the folder; never leaves a temporary behind
     except OSError:
         pass  # read-only or full disk: caching is an optimisation, not a requirement
 

@@ -7,7 +7,8 @@ code with the smallest *modelled* worst-rank error at a packet precision, subjec
 error on i.i.d. inputs plus the packet rounding carried through the decoder. Three stages:
 
 1. two one-parameter families, each with and without the spread seam (:mod:`cerar.coding.seam`), their
-   scale tuned under the cond wall: the perturbed construction (nodes on a line through each root
+   scale tuned under the cond wall by the constructions' own log-grid and golden-section search
+   (:mod:`cerar.coding.search`): the perturbed construction (nodes on a line through each root
    of unity) and the same clusters as regular polygons in the log-plane (radii off the unit
    circle);
 2. the best of the four starts kept (ties go to the first listed, spread before plain);
@@ -19,12 +20,13 @@ What this buys, measured (float32, worst rank, simulated, against plain ``pertur
 1.5x at ``c = 2N`` (the spread seam alone; a pair per root leaves no shape to choose), 1.7-1.9x
 at ``c = 3N`` and 1.8-2.2x at ``c = 4N`` (seam plus polygon clusters); the per-node refinement
 adds 1-2%. Constant factors only: the floor comes from sharing each packet's mantissa between
-``r+1`` scales (DESIGN.md, "Where the error floor comes from"), which no placement of nodes
+``r+1`` scales (docs/protocol.md, "Where the error floor comes from"), which no placement of nodes
 removes. Pure numpy/scipy.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -33,17 +35,31 @@ import numpy as np
 from scipy.optimize import minimize
 
 from cerar._checks import check_float, check_int
+from cerar._version import __version__
 from cerar.coding.code import Code
-from cerar.coding.codes import _perturbed_nodes, _search_ranks, cluster_sizes, exact, perturbed
+from cerar.coding.constructions import (
+    check_design,
+    exact,
+    max_delta,
+    perturbed,
+    perturbed_nodes,
+    polygon_nodes,
+    search_ranks,
+)
 from cerar.coding.decoders import SingularCodeError
 from cerar.coding.design_cache import cached_code
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
+from cerar.coding.search import minimise_log_parameter
 
 __all__ = ["ALGORITHM", "choose", "default_kappa", "optimized"]
 
 #: Bumped whenever the search changes, so that cached designs of older searches are recomputed.
-ALGORITHM = "nodes-3-spread"
+ALGORITHM = "nodes-4-golden"  # 4: the family scales tuned by golden section, not Powell
 _CONSTRAINT_WEIGHT = 20.0  # log-error units per e-fold of cond above kappa: a near-hard wall
+#: Where the wall starts, as a fraction of kappa. When the cap binds, the optimum sits on the wall
+#: and a search converging onto it lands on either side by its tolerance (about 1e-3 in log scale,
+#: times r in log cond); starting the wall 1% inside keeps the result within kappa.
+_WALL = 0.99
 
 
 def default_kappa(precision: Any = "fp32") -> float:
@@ -56,33 +72,7 @@ def default_kappa(precision: Any = "fp32") -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# Node sets as offsets from the roots of unity
-def _polygon_nodes(world_size: int, components: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Cluster ``k`` as a regular ``s_k``-gon of circumradius ``scale`` in ``log z`` around
-    ``w^k``, symmetric about the radial axis so that self-conjugate clusters stay closed."""
-    radii: list[float] = []
-    angles: list[float] = []
-    for k, size in enumerate(cluster_sizes(world_size, components)):
-        centre = 2 * math.pi * k / world_size
-        phase0 = 0.0 if size % 2 else math.pi / size
-        turns = [phase0 + 2 * math.pi * l / size for l in range(size)]
-        offsets = [0j] if size == 1 else [scale * np.exp(1j * turn) for turn in turns]
-        self_conjugate = k == 0 or 2 * k == world_size
-        if self_conjugate:
-            for d in offsets:
-                if abs(d.imag) <= 1e-12 * max(scale, 1e-300):
-                    radii.append(math.exp(d.real))
-                    angles.append(centre)
-                elif d.imag > 0:
-                    radii.append(math.exp(d.real))
-                    angles.append(d.imag if k == 0 else math.pi - d.imag)
-        elif 2 * k < world_size:
-            for d in offsets:
-                radii.append(math.exp(d.real))
-                angles.append(centre + d.imag)
-    return np.array(radii), np.array(angles)
-
-
+# The search
 def _cond(code: Code, ranks: list[int]) -> float:
     """Largest ``cond(W_j)`` over ``ranks`` (the search's subset; the final check uses all)."""
     values = [np.linalg.svd(code.decoder(j), compute_uv=False) for j in ranks]
@@ -99,7 +89,7 @@ class _Problem:
     def __init__(self, world_size: int, components: int, precision: str, kappa: float) -> None:
         self.world_size, self.components = world_size, components
         self.precision, self.kappa = precision, kappa
-        self.ranks = _search_ranks(world_size)
+        self.ranks = search_ranks(world_size)
 
     def build(self, radii: np.ndarray, angles: np.ndarray, spread: bool) -> Code:
         return Code.from_nodes(self.world_size, radii, angles, spread_seam=spread)
@@ -112,7 +102,7 @@ class _Problem:
             return math.inf
         if not (math.isfinite(error) and math.isfinite(cond) and error > 0):
             return math.inf
-        return math.log(error) + _CONSTRAINT_WEIGHT * max(0.0, math.log(cond / self.kappa))
+        return math.log(error) + _CONSTRAINT_WEIGHT * max(0.0, math.log(cond / (_WALL * self.kappa)))
 
     def feasible(self, code: Code) -> bool:
         try:
@@ -124,8 +114,8 @@ class _Problem:
 #: The one-parameter starting families: name, node builder, and the largest scale as a fraction
 #: of the line's limit (a polygon of circumradius a spans about 2a).
 _FAMILIES: tuple[tuple[str, Callable[[int, int, float], tuple[np.ndarray, np.ndarray]], float], ...] = (
-    ("line", _perturbed_nodes, 1.0),
-    ("polygon", _polygon_nodes, 0.5),
+    ("line", perturbed_nodes, 1.0),
+    ("polygon", polygon_nodes, 0.5),
 )
 
 
@@ -144,25 +134,12 @@ def _tune_scale(
         except (SingularCodeError, ValueError):
             return math.inf
 
-    # codes._best_parameter minimises the predicted error only; this search adds the cond wall.
-    # The optimum scale is about u^(1/(r+1)) / N, so at float64 and c = 2N (~1e-9) the grid must
-    # reach well below float32's 1e-7.
+    # The constructions' own search minimises the predicted error only; this one adds the cond
+    # wall. The optimum scale is about u^(1/(r+1)) / N, so at float64 and c = 2N (~1e-9) the grid
+    # must reach well below float32's 1e-7.
     low = min(1e-7, 1e-3 * math.sqrt(UNIT_ROUNDOFF[problem.precision]))
-    grid = np.exp(np.linspace(math.log(low), math.log(high), 40))
-    scores = [score(float(value)) for value in grid]
-    index = int(np.argmin(scores))
-    best_score, best_scale = scores[index], float(grid[index])
-    lo, hi = grid[max(index - 1, 0)], grid[min(index + 1, len(grid) - 1)]
-    result = minimize(
-        lambda x: score(float(math.exp(x[0]))),
-        x0=[math.log(best_scale)],
-        method="Powell",
-        bounds=[(math.log(lo), math.log(hi))],
-        options={"xtol": 1e-3, "ftol": 1e-5, "maxfev": 40},
-    )
-    if result.fun < best_score:
-        best_score, best_scale = float(result.fun), float(math.exp(result.x[0]))
-    return best_score, best_scale
+    found = minimise_log_parameter(score, low, high, points=40, refinements=16)
+    return found.score, found.parameter
 
 
 def _refine(
@@ -205,7 +182,7 @@ def _search(
     world_size: int, components: int, precision: str, kappa: float, refine: bool
 ) -> tuple[Code, dict[str, Any]]:
     problem = _Problem(world_size, components, precision, kappa)
-    limit = 0.95 * 2 * math.pi / (world_size * math.ceil(components / world_size))
+    limit = 0.95 * max_delta(world_size, components)
     # Every family with and without the spread seam; min() over (score, listing order) keeps the
     # choice deterministic on ties. The plain starts stay candidates: if no spread design scored
     # better, the plain one is refined and returned.
@@ -276,49 +253,17 @@ def optimized(
         ``plain_predicted_worst_error`` (the best unspread start) and ``cond``. Deterministic
         for equal inputs (no clocks, no random numbers).
     """
-    world_size = check_int("world_size", world_size, minimum=2)
-    components = check_int("components", components, minimum=1)
-    precision = precision_name(precision)
+    world_size, components, precision = check_design(world_size, components, precision)
     kappa = default_kappa(precision) if kappa is None else check_float("kappa", kappa, positive=True)
     if kappa < 1.0:
         raise ValueError(f"Argument 'kappa' must be at least 1 (a condition number), not {kappa}.")
-    from cerar._version import __version__
-
-    key = {
-        "N": world_size,
-        "c": components,
-        "precision": precision,
-        "kappa": kappa,
-        "refine": bool(refine),
-        "algorithm": ALGORITHM,
-        "version": __version__,
-    }
-
-    def compute() -> tuple[Code, dict[str, Any]]:
-        if components <= world_size:
-            exact = perturbed(world_size, components, 0.0)
-            return exact, {
-                "start": "exact",
-                "spread_seam": False,
-                "predicted_worst_error": exact.predicted_worst_error(precision),
-                "cond": _worst_cond(exact),
-            }
-        return _search(world_size, components, precision, kappa, refine)
-
-    def valid(code: Code, extra: dict[str, Any]) -> bool:
-        # A stored design is trusted only if it is still what it claims: right shape, within the
-        # cap, and the model gives it the error recorded when it was found (a hand-edited node
-        # under a matching key fails this).
-        recorded = extra.get("predicted_worst_error")
-        if code.world_size != world_size or code.components != components or not isinstance(recorded, float):
-            return False
-        predicted = code.predicted_worst_error(precision)
-        return bool(np.max(code.cond) <= kappa * (1 + 1e-9)) and abs(predicted - recorded) <= 1e-9 * recorded
-
+    design = functools.partial(_design, world_size, components, precision, kappa, bool(refine))
     if cache:
-        code, extra, _ = cached_code("optimized", key, compute, validate=valid)
+        key = _cache_key(N=world_size, c=components, precision=precision, kappa=kappa, refine=bool(refine))
+        valid = functools.partial(_still_valid, world_size, components, precision, kappa)
+        code, extra, _ = cached_code("optimized", key, design, validate=valid)
     else:
-        code, extra = compute()
+        code, extra = design()
     params = {"precision": precision, "kappa": kappa, "refine": bool(refine), **extra}
     nodes = code.to_dict()["nodes"]
     return Code.from_nodes(
@@ -329,6 +274,39 @@ def optimized(
         params=params,
         spread_seam=code.spread_seam,
     )
+
+
+def _cache_key(**inputs: Any) -> dict[str, Any]:
+    """A design cache key: every input, plus the search's and the library's versions."""
+    return {**inputs, "algorithm": ALGORITHM, "version": __version__}
+
+
+def _design(
+    world_size: int, components: int, precision: str, kappa: float, refine: bool
+) -> tuple[Code, dict[str, Any]]:
+    """What :func:`optimized` computes (and caches): the design and its figures."""
+    if components > world_size:
+        return _search(world_size, components, precision, kappa, refine)
+    code = perturbed(world_size, components, 0.0)  # exact: nothing to optimise
+    return code, {
+        "start": "exact",
+        "spread_seam": False,
+        "predicted_worst_error": code.predicted_worst_error(precision),
+        "cond": _worst_cond(code),
+    }
+
+
+def _still_valid(
+    world_size: int, components: int, precision: str, kappa: float, code: Code, extra: dict[str, Any]
+) -> bool:
+    """Whether a stored design is still what it claims: right shape, within the cap, and the
+    model gives it the error recorded when it was found (a hand-edited node under a matching key
+    fails this)."""
+    recorded = extra.get("predicted_worst_error")
+    if code.world_size != world_size or code.components != components or not isinstance(recorded, float):
+        return False
+    predicted = code.predicted_worst_error(precision)
+    return bool(np.max(code.cond) <= kappa * (1 + 1e-9)) and abs(predicted - recorded) <= 1e-9 * recorded
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,16 +348,7 @@ def choose(
         # exactly: a larger c only adds rounds. The exact code is ring all-reduce itself.
         return exact(2)
 
-    from cerar._version import __version__
-
-    key = {
-        "N": world_size,
-        "precision": precision,
-        "budget": error_budget,
-        "optimized": bool(use_optimized),
-        "algorithm": ALGORITHM,
-        "version": __version__,
-    }
+    key = _cache_key(N=world_size, precision=precision, budget=error_budget, optimized=bool(use_optimized))
 
     def compute() -> tuple[Code, dict[str, Any]]:
         return _choose(world_size, precision, error_budget, use_optimized), {}

@@ -1,0 +1,1 @@
+"""The collective on torch.distributed: transport, algorithms, all_reduce, DDP hooks."""

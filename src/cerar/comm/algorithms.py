@@ -65,6 +65,9 @@ def encode_block_size(world_size: int, rounds: int) -> int:
 def run_cerar(flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats) -> torch.Tensor:
     """Run CERAR on this rank's contiguous 1-d ``flat`` (float32 or float64) and write the
     decoded sum into it. Returns ``flat``. ``stats`` accumulates the call's figures."""
+    # Longer than most functions on purpose: the four callbacks of the round engine below share
+    # this call's buffers, plan and block bounds; split apart, they would need an object that
+    # holds one call's state, and the critical path (prepare) would pay attribute look-ups.
     c, n_ranks = code.components, code.world_size
     d = flat.numel()
     m = math.ceil(d / c)

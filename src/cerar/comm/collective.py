@@ -2,7 +2,8 @@
 
 Both are in place, take any shape and contiguity, and return None, or with ``async_op=True`` a
 :class:`CerarWork` handle. All of a process's cerar calls run in order on one communication
-thread, so async and sync calls interleave exactly as issued on every rank.
+thread (:mod:`cerar.comm.worker_thread`), so async and sync calls interleave exactly as issued
+on every rank; :func:`shutdown` stops it (also at interpreter exit).
 
 Every call starts with one tiny agreement step (an all-reduce of a few numbers) that
 
@@ -22,26 +23,38 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_choice
+from cerar._checks import check_choice, check_float
 from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.coding.precision import float16_scale
 from cerar.comm.algorithms import run_cerar, run_ring
+from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
-from cerar.comm.transport import Ring
+from cerar.comm.transport import WORKSPACE, Ring
+from cerar.comm.worker_thread import COMM, DEFAULT_SHUTDOWN_TIMEOUT_S, CerarWork, ShutdownError
 
-NONFINITE_POLICIES = ("raise", "exact", "ignore")
+__all__ = [
+    "NONFINITE_POLICIES",
+    "CerarWork",
+    "NonFiniteError",
+    "SettingsMismatchError",
+    "ShutdownError",
+    "all_reduce",
+    "default_code",
+    "get_stats",
+    "reset_stats",
+    "ring_all_reduce",
+    "shutdown",
+]
 
 
 class NonFiniteError(ValueError):
@@ -97,11 +110,9 @@ def all_reduce(
     if ring is None:
         return None
     if code is not None and code.world_size != ring.size:
-        raise ValueError(
-            f"Argument 'code' is for world_size={code.world_size} but the group has {ring.size} ranks."
-        )
+        raise ValueError(f"Argument 'code' is for world_size={code.world_size} but the group has {ring.size} ranks.")
     job = functools.partial(_cerar_call, tensor, reduce_op, ring, code, nonfinite, stats)
-    return _COMM.submit(job, tensor, async_op)
+    return COMM.submit(job, tensor, async_op)
 
 
 def ring_all_reduce(
@@ -135,7 +146,7 @@ def ring_all_reduce(
     if ring is None:
         return None
     job = functools.partial(_ring_call, tensor, reduce_op, ring, wire_dtype, stats)
-    return _COMM.submit(job, tensor, async_op)
+    return COMM.submit(job, tensor, async_op)
 
 
 @functools.cache
@@ -144,10 +155,7 @@ def default_code(world_size: int, precision: str = "fp32") -> Code:
     budget (1e-3) where available, else ``codes.perturbed(N, 2N)``, tuned for the packet
     precision. ``c = 2N`` sends ``(3N-2)/(2N)`` values per value (0.83x ring at N = 4) with a
     worst-rank error near 3e-4 in float32."""
-    choose = getattr(codes, "choose", None)
-    if choose is not None:
-        return choose(world_size, precision)
-    return codes.perturbed(world_size, 2 * world_size, precision=precision)
+    return codes.choose(world_size, precision)
 
 
 def get_stats(group: dist.ProcessGroup | None = None) -> CommStats:
@@ -160,74 +168,32 @@ def reset_stats(group: dist.ProcessGroup | None = None) -> None:
     get_stats(group).reset()
 
 
-# ---------------------------------------------------------------------------------------------
-# The async handle and the communication thread
+def shutdown(timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
+    """Stop the communication thread once the calls already submitted have run.
+
+    Call it before ``destroy_process_group()``, or let the interpreter do it: it is registered
+    with ``atexit`` at the first call, because a process that exits while a call is still on
+    the wire would otherwise be aborted by the C++ runtime (SIGABRT) as Gloo is torn down under
+    the thread. Idempotent, and a no-op in a process that never made a call; the next cerar
+    call starts a new thread. The scratch buffers are released.
+
+    Args:
+        timeout_s: how long to wait for the submitted calls (``None``: as long as they take).
+
+    Returns:
+        True if the thread stopped; False if a call was still running after ``timeout_s``:
+        the calls queued behind it then fail with :class:`ShutdownError` and the thread is
+        left to finish that call (it fails by itself within the process group's timeout if a
+        peer is gone).
+    """
+    if timeout_s is not None:
+        timeout_s = check_float("timeout_s", timeout_s, nonnegative=True)
+    stopped = COMM.shutdown(timeout_s)
+    if stopped:
+        WORKSPACE.clear()  # only the thread used it, and it is gone
+    return stopped
 
 
-class CerarWork:
-    """Handle of an async cerar call, shaped like ``torch.distributed.Work``."""
-
-    def __init__(self, future: Future[torch.Tensor]) -> None:
-        self._future = future
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the call completes; re-raise its error. Returns True."""
-        self._future.result(timeout=timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """A ``torch.futures.Future`` whose value is ``[tensor]``, as for torch's all_reduce."""
-        out: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-
-        def forward(done: Future[torch.Tensor]) -> None:
-            error = done.exception()
-            if error is not None:
-                out.set_exception(error)
-            else:
-                out.set_result([done.result()])
-
-        self._future.add_done_callback(forward)
-        return out
-
-
-class _CommThread:
-    """One daemon thread per process that runs every cerar call in submission order."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[Callable[[], None], Future[torch.Tensor], torch.Tensor]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, job: Callable[[], None], tensor: torch.Tensor, async_op: bool) -> CerarWork | None:
-        future: Future[torch.Tensor] = Future()
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="cerar-comm", daemon=True)
-                self._thread.start()
-        self._jobs.put((job, future, tensor))
-        if async_op:
-            return CerarWork(future)
-        future.result()
-        return None
-
-    def _loop(self) -> None:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        while True:
-            job, future, tensor = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                job()
-            except BaseException as exc:  # surfaced to the caller through the future
-                future.set_exception(exc)
-            else:
-                future.set_result(tensor)
-
-
-_COMM = _CommThread()
 _GROUP_STATS: dict[Any, CommStats] = {}
 _STATS_LOCK = threading.Lock()
 
@@ -385,9 +351,7 @@ def _check_tensor(tensor: Any) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"Argument 'tensor' must be a torch.Tensor, not {type(tensor).__name__}.")
     if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        raise TypeError(
-            f"Argument 'tensor' must be float32, float64, float16 or bfloat16, not {tensor.dtype}."
-        )
+        raise TypeError(f"Argument 'tensor' must be float32, float64, float16 or bfloat16, not {tensor.dtype}.")
 
 
 def _check_op(op: Any) -> str:

@@ -26,7 +26,6 @@ same point-to-point ops, ``2(N-1)/N`` values sent per value instead of CERAR's `
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the hooks'
 # annotations and accepts only the real ``dist.GradBucket`` / ``Future[Tensor]`` objects.
 import logging
-import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -37,10 +36,13 @@ from torch import nn
 
 from cerar._checks import check_choice, check_float, check_int
 from cerar.coding.code import Code
+from cerar.comm.policies import NONFINITE_POLICIES
+from cerar.comm.replicas import SKETCH_SIZE, replica_divergence, resync
 from cerar.comm.stats import CommStats
 
 __all__ = [
     "NONFINITE_POLICIES",
+    "SKETCH_SIZE",
     "CerarState",
     "cerar_hook",
     "replica_divergence",
@@ -49,10 +51,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-NONFINITE_POLICIES: tuple[str, ...] = ("raise", "exact", "ignore")
-SKETCH_SIZE = 1024  # CountSketch buckets: the norm estimate's relative spread is about sqrt(2/k)
-_SKETCH_SEED = 0x5EED
 
 
 class CerarState:
@@ -111,8 +109,29 @@ class CerarState:
     The state pickles without its process groups (for checkpoints), like
     ``PowerSGDState``: unpickling sets ``process_group`` to the default group and creates the
     dedicated group on the first bucket, on every rank.
+
+    The attributes are ``__slots__``, as ``PowerSGDState``'s: a misspelt setting
+    (``state.resync_evry = 10``) raises AttributeError instead of being silently ignored.
     """
 
+    __slots__ = (
+        "_comm_group",
+        "bucket_numel",
+        "bucket_stats",
+        "code",
+        "divergence_tol",
+        "iteration",
+        "last_divergence",
+        "max_divergence",
+        "nonfinite",
+        "process_group",
+        "resync_every",
+        "resync_s",
+        "resyncs",
+        "stats",
+        "steps",
+        "world_size",
+    )
     _NOT_PICKLED = ("process_group", "_comm_group")
 
     def __init__(
@@ -171,11 +190,12 @@ class CerarState:
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the process groups, which cannot be pickled."""
         logger.warning("NOTE: process groups are not serialisable and are left out of the saved CerarState.")
-        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_PICKLED}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in self._NOT_PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore settings and statistics; the process group becomes the default group."""
-        self.__dict__.update(state)
+        for key, value in state.items():
+            setattr(self, key, value)
         self.process_group = None
         self._comm_group = None  # created on the first bucket (every rank runs it at the same point)
         logger.warning(
@@ -188,7 +208,9 @@ class CerarState:
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Call :meth:`maybe_resync` after every ``optimizer.step()`` (an optimizer post-step hook).
 
-        Without ``optimizer``, nothing is registered: call :meth:`maybe_resync` yourself.
+        The hook passes ``optimizer`` on, so each re-synchronisation broadcasts its state too
+        (e.g. AdamW's moments). Without ``optimizer``, nothing is registered: call
+        :meth:`maybe_resync` yourself.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"Argument 'model' must be a torch.nn.Module, not {type(model).__name__}.")
@@ -198,7 +220,7 @@ class CerarState:
             raise TypeError(f"Argument 'optimizer' must be a torch.optim.Optimizer, not {type(optimizer).__name__}.")
 
         def resync_after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.maybe_resync(model)
+            self.maybe_resync(model, opt)
 
         optimizer.register_step_post_hook(resync_after_step)
 
@@ -308,90 +330,6 @@ def _launch(state: CerarState, bucket: dist.GradBucket, start: Any) -> torch.fut
         return averaged
 
     return work.get_future().then(record_stats)
-
-
-# ---------------------------------------------------------------------------------------------
-# Replica consistency
-
-
-def replica_divergence(model: nn.Module, group: dist.ProcessGroup | None = None) -> float:
-    r"""``max_j ||theta_j - theta_0|| / ||theta_0||`` over the ranks of ``group``, estimated cheaply.
-
-    Each rank compresses its parameters (in ``model.parameters()`` order, as float64) into a
-    CountSketch of :data:`SKETCH_SIZE` values: every coordinate is added, with a random sign, to
-    one random bucket, the same hash on every rank. The sketch is linear and preserves squared
-    norms in expectation, so ``||S theta_j - S theta_0||`` estimates ``||theta_j - theta_0||``
-    (relative spread about ``sqrt(2 / SKETCH_SIZE)``, 4%), and it is exactly 0 when the replicas are
-    bitwise identical. ``||theta_0||`` is computed exactly on rank 0.
-
-    Cost: one pass over the parameters and an all-gather of ``SKETCH_SIZE + 1`` float64 values
-    per rank. A collective on ``group``: call on every rank, outside backward. Returns the same
-    value on every rank.
-    """
-    params = _parameters(model)
-    if not params:
-        raise ValueError("Argument 'model' must have parameters, not none.")
-    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
-    index, sign = _sketch_hash(flat.numel())
-    local = torch.zeros(SKETCH_SIZE + 1, dtype=torch.float64)
-    local[:SKETCH_SIZE].index_add_(0, index, flat * sign)
-    local[SKETCH_SIZE] = torch.linalg.vector_norm(flat)
-    size = dist.get_world_size(group)
-    gathered = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(gathered, local, group=group)
-    reference = gathered[0]
-    norm0 = float(reference[SKETCH_SIZE])
-    worst = max(float(torch.linalg.vector_norm(g[:SKETCH_SIZE] - reference[:SKETCH_SIZE])) for g in gathered)
-    if worst == 0.0:
-        return 0.0
-    return worst / norm0 if norm0 > 0 else math.inf
-
-
-def resync(
-    model: nn.Module,
-    group: dist.ProcessGroup | None = None,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> None:
-    """Make every rank's parameters and buffers (and ``optimizer``'s state tensors) equal to
-    the group's rank 0's, by one coalesced broadcast per dtype. A collective: call on every rank."""
-    tensors: list[torch.Tensor] = [p.data for p in _parameters(model)]
-    tensors += [b for b in model.buffers()]
-    if optimizer is not None:
-        for param_state in optimizer.state.values():
-            tensors += [v for v in param_state.values() if isinstance(v, torch.Tensor) and v.numel() > 0]
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for same in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for tensor in same:
-            tensor.detach().copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-
-
-def _parameters(model: nn.Module) -> list[torch.Tensor]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"Argument 'model' must be a torch.nn.Module, not {type(model).__name__}.")
-    return list(model.parameters())
-
-
-_SKETCH_CACHE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _sketch_hash(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CountSketch's bucket and sign for ``numel`` coordinates, identical on every rank
-    (a fixed seed on a private generator), cached because drawing them costs more than using them."""
-    if numel not in _SKETCH_CACHE:
-        generator = torch.Generator().manual_seed(_SKETCH_SEED)
-        index = torch.randint(0, SKETCH_SIZE, (numel,), generator=generator)
-        sign = torch.randint(0, 2, (numel,), generator=generator).to(torch.float64).mul_(2).sub_(1)
-        _SKETCH_CACHE.clear()  # one model per process in practice: keep memory flat
-        _SKETCH_CACHE[numel] = (index, sign)
-    return _SKETCH_CACHE[numel]
 
 
 def _new_comm_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -82,27 +82,27 @@ class RingError(RuntimeError):
     """A ring transfer failed: a neighbour died, stalled past the timeout, or closed."""
 
 
-def _ring_error(ring: Ring, round: int, exc: BaseException) -> RingError:
+def _ring_error(ring: Ring, round_index: int, exc: BaseException) -> RingError:
     return RingError(
-        f"cerar: ring round {round} failed on group rank {ring.rank} (receiving from global "
+        f"cerar: ring round {round_index} failed on group rank {ring.rank} (receiving from global "
         f"rank {ring.recv_from}, sending to global rank {ring.send_to}): a peer died or "
         f"stalled past the process group's timeout. Cause: {exc}"
     )
 
 
-def _wait(work: dist.Work, ring: Ring, round: int) -> None:
+def _wait(work: dist.Work, ring: Ring, round_index: int) -> None:
     try:
         work.wait()
     except RuntimeError as exc:
-        raise _ring_error(ring, round, exc) from exc
+        raise _ring_error(ring, round_index, exc) from exc
 
 
-def _post(op: Callable[..., dist.Work], tensor: torch.Tensor, peer: int, ring: Ring, round: int) -> dist.Work:
+def _post(op: Callable[..., dist.Work], tensor: torch.Tensor, peer: int, ring: Ring, round_index: int) -> dist.Work:
     # Posting to a pair whose peer has already gone raises at once rather than on wait.
     try:
         return op(tensor, peer, ring.group)
     except RuntimeError as exc:
-        raise _ring_error(ring, round, exc) from exc
+        raise _ring_error(ring, round_index, exc) from exc
 
 
 _SEGMENT_BYTES = 256 * 1024
@@ -118,7 +118,9 @@ def segments(values: int, itemsize: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
 
 
-Segment = Callable[[int, int, int], torch.Tensor]
+#: ``f(t, a, b)``: the view of round ``t``'s packet columns ``[a, b)`` to send (``prepare``) or
+#: to receive into (``target``), handed to :func:`run_rounds`.
+PieceSource = Callable[[int, int, int], torch.Tensor]
 
 
 def run_rounds(
@@ -126,8 +128,8 @@ def run_rounds(
     stats: CommStats,
     rounds: int,
     pieces: list[tuple[int, int]],
-    prepare: Segment,
-    target: Segment,
+    prepare: PieceSource,
+    target: PieceSource,
     received: Callable[[int, int, int], None] | None = None,
     posted: Callable[[int], None] | None = None,
 ) -> None:

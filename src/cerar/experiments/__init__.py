@@ -1,0 +1,1 @@
+"""The experiments (bench, train, study) and what they share: config flags, optional extras."""

@@ -32,13 +32,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any, TextIO
 
 from cerar._checks import check_choice, check_float, check_int
 from cerar.harness.netem import (
@@ -50,35 +48,24 @@ from cerar.harness.netem import (
     free_loopback_port,
     measure_link_rate,
 )
+from cerar.harness.processes import LaunchError, LineCallback, RankProcesses, RankResult, describe_returncode
 
 REGIMES = ("fast", "slow")
 DEFAULT_RATE = "400mbit"
 SLOW_MASTER_PORT = 29500  # inside the run's own namespaces, so it can never collide
-_KILL_GRACE_S = 1.0
-_TAIL_LINES = 20
 _PORT_ATTEMPTS = 3
-
-LineCallback = Callable[[int, str, str], None]
 
 __all__ = [
     "DEFAULT_RATE",
     "REGIMES",
     "LaunchError",
     "LaunchResult",
+    "LineCallback",
     "NetemUnavailable",
     "RankResult",
+    "describe_returncode",
     "launch",
 ]
-
-
-@dataclass
-class RankResult:
-    """One rank's exit code and everything it wrote."""
-
-    rank: int
-    returncode: int
-    stdout: str
-    stderr: str
 
 
 @dataclass
@@ -104,23 +91,6 @@ class LaunchResult:
     delay: str | None = None
     run_id: str | None = None
     wall_s: float = 0.0
-
-
-class LaunchError(RuntimeError):
-    """A rank failed or the run timed out; every rank was killed and the network removed.
-
-    Attributes:
-        failed: ranks that failed on their own (exited non-zero or were killed by a signal
-            before the launcher stopped the run); empty on timeout.
-        timed_out: the run passed ``timeout_s``.
-        results: every rank's result (those the launcher killed have negative exit codes).
-    """
-
-    def __init__(self, message: str, failed: Sequence[int], results: Sequence[RankResult], timed_out: bool):
-        super().__init__(message)
-        self.failed = list(failed)
-        self.results = list(results)
-        self.timed_out = timed_out
 
 
 def launch(
@@ -162,13 +132,7 @@ def launch(
     regime = check_choice("regime", regime, REGIMES)
     rate, delay = check_rate(rate), check_delay(delay)
     timeout_s = check_float("timeout_s", timeout_s, positive=True)
-    if cwd is not None and not os.path.isdir(cwd):
-        raise ValueError(f"Argument 'cwd' must be an existing directory, not {cwd!r}.")
-    base_env = dict(os.environ)
-    base_env.setdefault("OMP_NUM_THREADS", "1")
-    base_env["PYTHONUNBUFFERED"] = "1"  # ranks' lines arrive while they run
-    base_env.update(_check_env(env))
-
+    cwd, base_env = _check_cwd(cwd), _base_env(env)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_exits())
         net: Network | None = None
@@ -177,18 +141,7 @@ def launch(
             net = stack.enter_context(emulated_network(world_size, rate, delay))
             if probe and world_size >= 2:
                 link_rate = measure_link_rate(net)
-        for attempt in range(_PORT_ATTEMPTS):
-            ranks = _Ranks(argv, world_size, base_env, cwd, net, on_line)
-            stack.callback(ranks.stop)  # registered before any start; runs before the network's teardown
-            ranks.start()
-            try:
-                results = ranks.wait(timeout_s)
-                break
-            except LaunchError as exc:
-                # On loopback another program may take the free port between our probe and
-                # rank 0's bind: try again on a new port (the ranks never got past start-up).
-                if net is not None or attempt + 1 == _PORT_ATTEMPTS or not _port_taken(exc):
-                    raise
+        results, wall_s = _run(stack, lambda: RankProcesses(argv, world_size, base_env, cwd, net, on_line), timeout_s)
         return LaunchResult(
             ranks=results,
             link_rate_bytes_per_s=link_rate,
@@ -196,13 +149,44 @@ def launch(
             rate=rate if net else None,
             delay=delay if net else None,
             run_id=net.run_id if net else None,
-            wall_s=ranks.wall_s,
+            wall_s=wall_s,
         )
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
 
 
+def _run(
+    stack: contextlib.ExitStack, new_ranks: Callable[[], RankProcesses], timeout_s: float
+) -> tuple[list[RankResult], float]:
+    """Start the ranks and wait for them, on a new port if another program took the first.
+
+    On loopback another program may take the free port between our probe and rank 0's bind:
+    the ranks then never got past start-up, and a fresh set on a new port is started.
+    Returns every rank's result and the ranks' wall time.
+    """
+    for attempt in range(_PORT_ATTEMPTS):
+        ranks = new_ranks()
+        stack.callback(ranks.stop)  # registered before any start; runs before the network's teardown
+        ranks.start(SLOW_MASTER_PORT if ranks.net else free_loopback_port())
+        try:
+            results = ranks.wait(timeout_s)
+            return results, ranks.wall_s
+        except LaunchError as exc:
+            if ranks.net is not None or attempt + 1 == _PORT_ATTEMPTS or not _port_taken(exc):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover - the last attempt raises or returns
+
+
 def _port_taken(exc: LaunchError) -> bool:
     return any("address already in use" in r.stderr.lower() for r in exc.results)
+
+
+def _base_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The launcher's environment under ``env``, as every rank gets it."""
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base["PYTHONUNBUFFERED"] = "1"  # ranks' lines arrive while they run
+    base.update(_check_env(env))
+    return base
 
 
 def _check_command(command: Sequence[str]) -> list[str]:
@@ -212,6 +196,12 @@ def _check_command(command: Sequence[str]) -> list[str]:
     if not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"Argument 'command' must be a non-empty list of strings, not {command!r}.")
     return argv
+
+
+def _check_cwd(cwd: str | None) -> str | None:
+    if cwd is not None and not os.path.isdir(cwd):
+        raise ValueError(f"Argument 'cwd' must be an existing directory, not {cwd!r}.")
+    return cwd
 
 
 def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -246,176 +236,20 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-class _Ranks:
-    """The rank processes of one launch, their reader threads and their collected output."""
+class _Echo:
+    """Forwards ranks' lines as ``[RANK] LINE``, each in one write under a lock: the reader
+    threads of different ranks never interleave within a line (``print`` writes the text and
+    the newline separately, which let two ranks' lines run together)."""
 
-    def __init__(
-        self,
-        argv: list[str],
-        world_size: int,
-        base_env: dict[str, str],
-        cwd: str | None,
-        net: Network | None,
-        on_line: LineCallback | None,
-    ) -> None:
-        self.world_size = world_size
-        self.on_line = on_line
-        self.procs: list[subprocess.Popen[str]] = []
-        self.out: list[tuple[list[str], list[str]]] = [([], []) for _ in range(world_size)]
-        self.threads: list[threading.Thread] = []
-        self.wall_s = 0.0
-        self.stopped = False
-        self.argv, self.base_env, self.cwd, self.net = argv, base_env, cwd, net
-        self.started = time.perf_counter()
+    def __init__(self, stdout: TextIO, stderr: TextIO) -> None:
+        self._streams = {"stdout": stdout, "stderr": stderr}
+        self._lock = threading.Lock()
 
-    def start(self) -> None:
-        """Start every rank, with its reader threads."""
-        net, world_size, argv, cwd = self.net, self.world_size, self.argv, self.cwd
-        port = SLOW_MASTER_PORT if net else free_loopback_port()
-        master = net.ranks[0].address if net else "127.0.0.1"
-        self.started = time.perf_counter()
-        for rank in range(world_size):
-            env = dict(self.base_env)
-            env.update(
-                RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size),
-                MASTER_ADDR=master,
-                MASTER_PORT=str(port),
-                GLOO_SOCKET_IFNAME=net.ranks[rank].ifname if net else "lo",
-                CERAR_REGIME="slow" if net else "fast",
-            )
-            if net:
-                env["CERAR_RUN_ID"] = net.run_id
-                env["CERAR_IFNAME"] = net.ranks[rank].ifname
-            prefix = net.exec_prefix(rank) if net else []
-            # Own session: a terminal's Ctrl-C reaches only the launcher, which then stops the
-            # ranks itself, and killpg reaches anything a rank started.
-            proc = subprocess.Popen(
-                [*prefix, *_orphan_guard(), *argv],
-                env=env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                errors="replace",
-                start_new_session=True,
-            )
-            self.procs.append(proc)
-            for stream, name, sink in (
-                (proc.stdout, "stdout", self.out[rank][0]),
-                (proc.stderr, "stderr", self.out[rank][1]),
-            ):
-                thread = threading.Thread(target=self._read, args=(rank, name, stream, sink), daemon=True)
-                thread.start()
-                self.threads.append(thread)
-
-    def _read(self, rank: int, name: str, stream: IO[str] | None, sink: list[str]) -> None:
-        if stream is None:
-            return
-        for line in stream:
-            sink.append(line)
-            if self.on_line is not None:
-                try:
-                    self.on_line(rank, name, line.rstrip("\n"))
-                except Exception:  # a broken callback must not stop the pipe from draining
-                    pass
-
-    def wait(self, timeout_s: float) -> list[RankResult]:
-        deadline = self.started + timeout_s
-        while True:
-            codes = [p.poll() for p in self.procs]
-            failed = [r for r, code in enumerate(codes) if code is not None and code != 0]
-            if failed:
-                self.stop()
-                raise self._error(failed, timed_out=False, timeout_s=timeout_s)
-            if all(code == 0 for code in codes):
-                self.wall_s = time.perf_counter() - self.started
-                self._join()
-                return self._results()
-            if time.perf_counter() > deadline:
-                self.stop()
-                raise self._error([], timed_out=True, timeout_s=timeout_s)
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """Kill every rank (and whatever it started) that is still running; idempotent."""
-        if self.stopped:
-            return
-        self.stopped = True
-        for sig, grace in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, 5.0)):
-            for proc in self.procs:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, sig)  # the group outlives its leader: always signal it
-            end = time.perf_counter() + grace
-            while time.perf_counter() < end and any(p.poll() is None for p in self.procs):
-                time.sleep(0.02)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=1.0)
-        if not self.wall_s:
-            self.wall_s = time.perf_counter() - self.started
-        self._join()
-
-    def _join(self) -> None:
-        for thread in self.threads:
-            thread.join(timeout=2.0)
-
-    def _results(self) -> list[RankResult]:
-        return [
-            RankResult(rank, p.returncode if p.returncode is not None else -9, "".join(out), "".join(err))
-            for rank, (p, (out, err)) in enumerate(zip(self.procs, self.out, strict=True))
-        ]
-
-    def _error(self, failed: list[int], *, timed_out: bool, timeout_s: float) -> LaunchError:
-        results = self._results()
-        if timed_out:
-            head = f"ranks timed out after {timeout_s:g} s and were killed"
-            shown = list(range(self.world_size))
-        else:
-            codes = ", ".join(f"rank {r} exited with {describe_returncode(results[r].returncode)}" for r in failed)
-            head = f"{codes}; the other ranks were killed"
-            shown = failed
-        parts = [head]
-        for r in shown:
-            tail = "".join(results[r].stderr.splitlines(keepends=True)[-_TAIL_LINES:]).rstrip()
-            parts.append(f"--- rank {r} (exit {describe_returncode(results[r].returncode)}) stderr tail ---")
-            parts.append(tail or "(empty)")
-        return LaunchError("\n".join(parts), failed, results, timed_out)
-
-
-# Run in front of each rank's command on Linux: ask the kernel to SIGKILL the rank when the
-# launcher dies (even by SIGKILL, which no cleanup code survives), then exec the command. The
-# launcher stays the parent because `ip netns exec` execs rather than forks.
-_GUARD = """
-import ctypes, os, signal, sys
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-except Exception:
-    pass
-if os.getppid() != int(sys.argv[1]):
-    os._exit(137)  # the launcher died before the guard was armed
-os.execvp(sys.argv[2], sys.argv[2:])
-"""
-
-
-def _orphan_guard() -> list[str]:
-    """The argv prefix that kills a rank when its launcher dies (empty off Linux)."""
-    if not sys.platform.startswith("linux"):
-        return []
-    return [sys.executable, "-c", _GUARD, str(os.getpid())]
-
-
-def describe_returncode(code: int) -> str:
-    """``"1"`` or, for a signal, ``"-9 (SIGKILL)"``."""
-    if code < 0:
-        try:
-            return f"{code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return str(code)
-    return str(code)
+    def __call__(self, rank: int, stream: str, line: str) -> None:
+        out = self._streams.get(stream, self._streams["stderr"])
+        with self._lock:
+            out.write(f"[{rank}] {line}\n")
+            out.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -431,10 +265,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-
-    def echo(rank: int, stream: str, line: str) -> None:
-        print(f"[{rank}] {line}", file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
-
     try:
         result = launch(
             command,
@@ -443,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rate=args.rate,
             delay=args.delay,
             timeout_s=args.timeout,
-            on_line=echo,
+            on_line=_Echo(sys.stdout, sys.stderr),
         )
     except LaunchError as exc:
         print(f"launch failed: {str(exc).splitlines()[0]}", file=sys.stderr)

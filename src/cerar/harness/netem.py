@@ -164,38 +164,27 @@ def emulated_network(world_size: int, rate: str = "400mbit", delay: str = "0ms")
         for rank in range(world_size):
             link = RankLink(rank, f"{NS_PREFIX}{run_id}-r{rank}", f"{tag}r{rank}", _address(rank))
             created.append(link.namespace)
-            _run(["ip", "netns", "add", link.namespace])
-            hub_side = f"{tag}h{rank}"
-            _run(
-                [
-                    "ip",
-                    "link",
-                    "add",
-                    hub_side,
-                    "netns",
-                    net.hub,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    link.ifname,
-                    "netns",
-                    link.namespace,
-                ]
-            )
-            _run(["ip", "-n", net.hub, "link", "set", hub_side, "master", net.bridge, "up"])
-            # Gloo takes an interface's first address: keep IPv6 link-local ones off the link.
-            _run(["ip", "netns", "exec", link.namespace, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])
-            _run(["ip", "-n", link.namespace, "addr", "add", f"{link.address}/16", "dev", link.ifname])
-            _run(["ip", "-n", link.namespace, "link", "set", link.ifname, "up"])
-            _run(["ip", "-n", link.namespace, "link", "set", "lo", "up"])
-            _shape(link, rate, delay)
+            _add_rank(net, link, f"{tag}h{rank}")
             net.ranks.append(link)
         yield net
     finally:
         # Teardown must not be cut short by a second Ctrl-C: hold the signals until it is done.
         with _signals_blocked():
             _teardown(created)
+
+
+def _add_rank(net: Network, link: RankLink, hub_side: str) -> None:
+    """Create ``link``'s namespace and its veth pair to the hub's bridge, address it, shape it."""
+    _run(["ip", "netns", "add", link.namespace])
+    veth = ["type", "veth", "peer", "name", link.ifname, "netns", link.namespace]
+    _run(["ip", "link", "add", hub_side, "netns", net.hub, *veth])
+    _run(["ip", "-n", net.hub, "link", "set", hub_side, "master", net.bridge, "up"])
+    # Gloo takes an interface's first address: keep IPv6 link-local ones off the link.
+    _run(["ip", "netns", "exec", link.namespace, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])
+    _run(["ip", "-n", link.namespace, "addr", "add", f"{link.address}/16", "dev", link.ifname])
+    _run(["ip", "-n", link.namespace, "link", "set", link.ifname, "up"])
+    _run(["ip", "-n", link.namespace, "link", "set", "lo", "up"])
+    _shape(link, net.rate, net.delay)
 
 
 def _shape(link: RankLink, rate: str, delay: str) -> None:

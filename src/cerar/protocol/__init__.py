@@ -1,0 +1,1 @@
+"""The ring schedule as data and the single-process simulators (numpy only)."""

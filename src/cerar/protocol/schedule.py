@@ -55,15 +55,15 @@ class Schedule:
     def for_code(cls, code: Code) -> Schedule:
         return cls(code.world_size, code.components)
 
-    def step(self, rank: int, round: int) -> RoundStep:
-        """The :class:`RoundStep` of ``rank`` in round ``round`` (``1..L``)."""
+    def step(self, rank: int, round_index: int) -> RoundStep:
+        """The :class:`RoundStep` of ``rank`` in round ``round_index`` (``1..L``)."""
         n_ranks = self.world_size
         j = check_int("rank", rank, minimum=0)
-        t = check_int("round", round, minimum=1)
+        t = check_int("round_index", round_index, minimum=1)
         if j >= n_ranks:
             raise ValueError(f"Argument 'rank' must be less than world_size={n_ranks}, not {j}.")
         if t > self.rounds:
-            raise ValueError(f"Argument 'round' must be at most L={self.rounds}, not {t}.")
+            raise ValueError(f"Argument 'round_index' must be at most L={self.rounds}, not {t}.")
         observed = t >= n_ranks - 1
         own_in_packet = t - n_ranks + 1  # round of our injection still inside the received packet
         return RoundStep(
@@ -132,6 +132,7 @@ class RankPlan:
     decode: np.ndarray
     first_observed_round: int
 
-    def slot(self, round: int) -> int | None:
-        """Observation slot filled by the packet received in ``round``, or None."""
-        return round - self.first_observed_round if round >= self.first_observed_round else None
+    def slot(self, round_index: int) -> int | None:
+        """Observation slot filled by the packet received in round ``round_index``, or None."""
+        t = round_index
+        return t - self.first_observed_round if t >= self.first_observed_round else None

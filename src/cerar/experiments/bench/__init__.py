@@ -1,0 +1,1 @@
+"""``cerar bench``: the all-reduce benchmark (config, methods, worker, statistics, report)."""

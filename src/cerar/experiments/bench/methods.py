@@ -1,6 +1,6 @@
-"""The all-reduce methods ``cerar bench`` compares: one :class:`Method` entry per method.
+"""The all-reduce methods ``cerar bench`` compares: one :class:`AllReduceMethod` entry per method.
 
-Adding a method (say ``ring-fp16``) is one entry in :data:`METHODS`: how to call it, how many
+Adding a method (say ``ring-fp16``) is one entry in :data:`ALL_REDUCE_METHODS`: how to call it, how many
 bytes and rounds the algorithm needs in theory, and whether its transport reports the bytes it
 really sent. Nothing here imports torch at module load: the calls import it when they run.
 """
@@ -20,8 +20,9 @@ Call = Callable[[Any, "Code | None", "CommStats | None"], None]
 
 
 @dataclass(frozen=True)
-class Method:
-    """One all-reduce method under test.
+class AllReduceMethod:
+    """One all-reduce method under test (not to be confused with the training methods, the DDP
+    hooks of :data:`cerar.experiments.train.methods.HOOKS`).
 
     Attributes:
         name: the name in ``--methods``, the table and the JSON (``"builtin"``, ``"cerar"``...).
@@ -65,26 +66,26 @@ def _builtin(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
 
 
 def _ring(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    import cerar
+    from cerar.comm.collective import ring_all_reduce
 
-    cerar.ring_all_reduce(tensor, stats=stats)
+    ring_all_reduce(tensor, stats=stats)
 
 
 def _ring_16(wire: str) -> Call:
     def call(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
         import torch
 
-        import cerar
+        from cerar.comm.collective import ring_all_reduce
 
-        cerar.ring_all_reduce(tensor, wire_dtype=getattr(torch, wire), stats=stats)
+        ring_all_reduce(tensor, wire_dtype=getattr(torch, wire), stats=stats)
 
     return call
 
 
 def _cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    import cerar
+    from cerar.comm.collective import all_reduce
 
-    cerar.all_reduce(tensor, code=code, stats=stats)
+    all_reduce(tensor, code=code, stats=stats)
 
 
 def _cerar_traffic(n: int, c: int | None) -> float:
@@ -97,30 +98,30 @@ def _cerar_rounds(n: int, c: int | None) -> int:
     return c + n - 2
 
 
-METHODS: dict[str, Method] = {
+ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = {
     m.name: m
     for m in (
-        Method(
+        AllReduceMethod(
             "builtin",
             "torch.distributed.all_reduce on Gloo (the baseline)",
             _builtin,
             transport_stats=False,
             requires=None,
         ),
-        Method("ring", "cerar's exact ring (reduce-scatter + all-gather) on cerar's transport", _ring),
-        Method(
+        AllReduceMethod("ring", "cerar's exact ring (reduce-scatter + all-gather) on cerar's transport", _ring),
+        AllReduceMethod(
             "ring-fp16",
             "the exact ring sending float16 (power-of-two scaled), accumulating in float32",
             _ring_16("float16"),
             wire_bytes_per_value=2.0,
         ),
-        Method(
+        AllReduceMethod(
             "ring-bf16",
             "the exact ring sending bfloat16, accumulating in float32",
             _ring_16("bfloat16"),
             wire_bytes_per_value=2.0,
         ),
-        Method(
+        AllReduceMethod(
             "cerar",
             "CERAR, one series per c and construction",
             _cerar,
@@ -133,9 +134,9 @@ METHODS: dict[str, Method] = {
 BASELINE = "builtin"
 
 
-def get_method(name: str) -> Method:
+def get_method(name: str) -> AllReduceMethod:
     """The registered method called ``name``."""
-    if name not in METHODS:
-        listed = ", ".join(repr(m) for m in METHODS)
+    if name not in ALL_REDUCE_METHODS:
+        listed = ", ".join(repr(m) for m in ALL_REDUCE_METHODS)
         raise ValueError(f"Argument 'methods' must name methods among {listed}, not {name!r}.")
-    return METHODS[name]
+    return ALL_REDUCE_METHODS[name]

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cerar.experiments.bench.run import format_size, series_key, series_label
+from cerar.experiments._extras import pyplot
+from cerar.experiments.bench.config import format_size
+from cerar.experiments.bench.run import series_key, series_label
 
 
 def _ms(seconds: float | None) -> str:
@@ -111,70 +113,64 @@ def _model_lines(doc: dict[str, Any], regime: str) -> list[str]:
 def plot(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Write ``time_vs_size.png``, ``ratio_vs_theory.png`` and ``bytes_vs_error.png``; return
     their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("bench", needed_by="cerar bench's plots")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    regimes = list(doc.get("regimes", {})) or sorted({r["regime"] for r in doc["results"]})
     title = _title(doc)
-    paths = []
+    return [
+        _per_regime(doc, out / "time_vs_size.png", plt, _draw_times, "all-reduce time (s, median; bars min..max)", 8),
+        _per_regime(doc, out / "ratio_vs_theory.png", plt, _draw_ratios, "time / builtin time", 7),
+        _plot_bytes_vs_error(doc, out, title, plt),
+    ]
 
+
+def _per_regime(doc: dict[str, Any], path: Path, plt: Any, draw: Any, ylabel: str, legend_size: int) -> Path:
+    """One figure, a panel per regime: ``draw(ax, doc, regime)`` plots the series, the rest
+    (size axis, labels, grid, legend, title) is the same for every figure."""
+    regimes = list(doc.get("regimes", {})) or sorted({r["regime"] for r in doc["results"]})
     fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4.5), squeeze=False)
     for ax, regime in zip(axes[0], regimes, strict=True):
-        for label, rows in _series(doc, regime):
-            sizes = [r["size_bytes"] for r in rows]
-            med = [r["time_median_s"] for r in rows]
-            err = [
-                [m - r["time_min_s"] for m, r in zip(med, rows, strict=True)],
-                [r["time_max_s"] - m for m, r in zip(med, rows, strict=True)],
-            ]
-            ax.errorbar(sizes, med, yerr=err, marker="o", capsize=3, label=label)
+        draw(ax, doc, regime)
         _size_axis(ax, doc)
-        ax.set_yscale("log")
-        ax.set_ylabel("all-reduce time (s, median; bars min..max)")
+        ax.set_ylabel(ylabel)
         ax.set_title(_regime_title(doc, regime))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(_title(doc), fontsize=9)
     fig.tight_layout()
-    paths.append(out / "time_vs_size.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
-    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4.5), squeeze=False)
-    for ax, regime in zip(axes[0], regimes, strict=True):
-        for label, rows in _series(doc, regime):
-            if rows[0]["method"] == "builtin":
-                continue
-            rows = [r for r in rows if r["ratio_to_builtin"] is not None]
-            if not rows:
-                continue
-            sizes = [r["size_bytes"] for r in rows]
-            (line,) = ax.plot(sizes, [r["ratio_to_builtin"] for r in rows], marker="o", label=f"{label} measured")
-            theory = rows[0]["theory_ratio_to_builtin"]
-            ax.axhline(
-                theory,
-                color=line.get_color(),
-                linestyle="--",
-                linewidth=1,
-                label=f"{label} byte theory {theory:.3f}",
-            )
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        _size_axis(ax, doc)
-        ax.set_ylabel("time / builtin time")
-        ax.set_title(_regime_title(doc, regime))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    paths.append(out / "ratio_vs_theory.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    paths.append(_plot_bytes_vs_error(doc, out, title, plt))
-    return paths
+
+def _draw_times(ax: Any, doc: dict[str, Any], regime: str) -> None:
+    """Median time against size per series, min..max as error bars, log-log."""
+    for label, rows in _series(doc, regime):
+        sizes = [r["size_bytes"] for r in rows]
+        med = [r["time_median_s"] for r in rows]
+        err = [
+            [m - r["time_min_s"] for m, r in zip(med, rows, strict=True)],
+            [r["time_max_s"] - m for m, r in zip(med, rows, strict=True)],
+        ]
+        ax.errorbar(sizes, med, yerr=err, marker="o", capsize=3, label=label)
+    ax.set_yscale("log")
+
+
+def _draw_ratios(ax: Any, doc: dict[str, Any], regime: str) -> None:
+    """Each series' time over builtin's against size, beside its byte theory (dashed)."""
+    for label, rows in _series(doc, regime):
+        if rows[0]["method"] == "builtin":
+            continue
+        rows = [r for r in rows if r["ratio_to_builtin"] is not None]
+        if not rows:
+            continue
+        sizes = [r["size_bytes"] for r in rows]
+        (line,) = ax.plot(sizes, [r["ratio_to_builtin"] for r in rows], marker="o", label=f"{label} measured")
+        theory = rows[0]["theory_ratio_to_builtin"]
+        ax.axhline(
+            theory, color=line.get_color(), linestyle="--", linewidth=1, label=f"{label} byte theory {theory:.3f}"
+        )
+    ax.axhline(1.0, color="black", linewidth=0.8)
 
 
 def _plot_bytes_vs_error(doc: dict[str, Any], out: Path, title: str, plt: Any) -> Path:

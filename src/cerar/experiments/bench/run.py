@@ -15,127 +15,53 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from cerar._checks import check_choice, check_float, check_int
 from cerar.coding import codes
 from cerar.coding.code import Code
-from cerar.experiments.bench.methods import BASELINE, METHODS, get_method
+from cerar.experiments.bench.config import (
+    DEFAULT_SIZES,
+    QUICK_SIZES,
+    REGIME_CHOICES,
+    BenchConfig,
+    format_size,
+    parse_size,
+)
+from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, BASELINE, get_method
 from cerar.experiments.bench.schema import SCHEMA_VERSION, add_ratios, machine_info, make_record, versions
 from cerar.experiments.bench.stats import crossover, fit_alpha_beta, measured_crossover
 from cerar.harness import netem
-from cerar.harness.launch import DEFAULT_RATE, LaunchError, launch
+from cerar.harness.launch import LaunchError, launch
 
-CONSTRUCTIONS = ("perturbed", "vandermonde", "exact", "optimized")
-REGIME_CHOICES = ("fast", "slow", "both")
-MiB = 1 << 20
-DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
-QUICK_SIZES = (64 << 10, 256 << 10)
-_SIZE_PATTERN = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmg]?)(i?b?)$", re.I)
+CONSTRUCTIONS = tuple(codes.CONSTRUCTIONS)
+# Re-exported: the command and the tests import the settings from here with the runner.
+__all__ = [
+    "CONSTRUCTIONS",
+    "DEFAULT_SIZES",
+    "QUICK_SIZES",
+    "REGIME_CHOICES",
+    "BenchConfig",
+    "analyse",
+    "build_cases",
+    "format_size",
+    "json_safe",
+    "make_code",
+    "parse_size",
+    "run_bench",
+]
 
 Log = Callable[[str], None]
 
 
-@dataclass
-class BenchConfig:
-    """What to measure. ``components=None`` means ``(N, 2N)``; sizes are bytes of float32.
-
-    ``regimes`` lists ``"fast"`` and/or ``"slow"``; ``timeout_s=None`` sizes the limit of each
-    regime's run from the cases (generously: it only exists to stop a hung run).
-    """
-
-    world_size: int = 4
-    sizes_bytes: tuple[int, ...] = DEFAULT_SIZES
-    components: tuple[int, ...] | None = None
-    constructions: tuple[str, ...] = ("perturbed",)
-    methods: tuple[str, ...] = ("builtin", "ring", "ring-fp16", "ring-bf16", "cerar")
-    regimes: tuple[str, ...] = ("fast", "slow")
-    rate: str = DEFAULT_RATE
-    delay: str = "0ms"
-    iters: int = 5
-    warmup: int = 1
-    seed: int = 0
-    timeout_s: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def validated(self) -> BenchConfig:
-        """Check every field; return ``self`` with ``components`` filled in."""
-        n = check_int("world_size", self.world_size, minimum=2)
-        if not self.sizes_bytes:
-            raise ValueError("Argument 'sizes' must list at least one size, not ().")
-        for size in self.sizes_bytes:
-            check_int("sizes", size, minimum=4)
-            if size % 4:
-                raise ValueError(f"Argument 'sizes' must be multiples of 4 bytes (float32), not {size}.")
-        comps = self.components if self.components is not None else (n, 2 * n)
-        for c in comps:
-            check_int("components", c, minimum=1)
-        for name in self.constructions:
-            check_choice("construction", name, CONSTRUCTIONS)
-            if name == "exact" and any(c != n for c in comps):
-                raise ValueError(
-                    f"Argument 'components' must equal world_size ({n}) for construction 'exact', not {list(comps)}."
-                )
-        for name in self.methods:
-            get_method(name)
-        if BASELINE not in self.methods:
-            raise ValueError(f"Argument 'methods' must include the baseline {BASELINE!r}, not {self.methods}.")
-        if not self.regimes:
-            raise ValueError("Argument 'regime' must name at least one regime, not ().")
-        for regime in self.regimes:
-            check_choice("regime", regime, ("fast", "slow"))
-        netem.check_rate(self.rate)
-        netem.check_delay(self.delay)
-        check_int("iters", self.iters, minimum=1)
-        check_int("warmup", self.warmup, minimum=0)
-        check_int("seed", self.seed, minimum=0)
-        if self.timeout_s is not None:
-            check_float("timeout_s", self.timeout_s, positive=True)
-        self.components = tuple(dict.fromkeys(comps))
-        self.sizes_bytes = tuple(sorted(set(self.sizes_bytes)))
-        return self
-
-
-def parse_size(text: str) -> int:
-    """``"4M"``, ``"64K"``, ``"1MiB"``, ``"1048576"`` -> bytes (K, M, G are powers of 1024)."""
-    match = _SIZE_PATTERN.match(text.strip()) if isinstance(text, str) else None
-    if match is None:
-        raise ValueError(f"Argument 'sizes' must be sizes such as 64K, 1M, 16M or 1048576, not {text!r}.")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match.group(2).lower()]
-    value = float(match.group(1)) * scale
-    if value != int(value):
-        raise ValueError(f"Argument 'sizes' must be a whole number of bytes, not {text!r}.")
-    return int(value)
-
-
-def format_size(size_bytes: float) -> str:
-    """``1048576`` -> ``"1M"``; ``65536`` -> ``"64K"`` (powers of 1024, as parsed)."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if size_bytes >= scale:
-            value = size_bytes / scale
-            return f"{value:g}{unit}" if value == int(value) else f"{value:.3g}{unit}"
-    return f"{int(size_bytes)}B"
-
-
 def make_code(world_size: int, components: int, construction: str) -> Code:
     """The code a ``cerar`` series uses (tuned for float32 packets)."""
-    if construction == "exact":
-        return codes.exact(world_size)
-    if construction == "vandermonde":
-        return codes.vandermonde(world_size, components)
-    if construction == "optimized":
-        optimized = getattr(codes, "optimized", None)
-        if optimized is None:
-            raise ValueError("Argument 'construction' 'optimized' is not available in this version of cerar.")
-        return optimized(world_size, components, "fp32")
-    return codes.perturbed(world_size, components)
+    return codes.build(construction, world_size, components, "fp32")
 
 
 def build_cases(config: BenchConfig) -> list[dict[str, Any]]:
@@ -179,24 +105,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Log | None = N
     A regime whose ranks fail keeps the records it finished; its ``error`` says what failed.
     ``slow`` on a machine without root, ``ip`` or ``tc`` is skipped with a message via ``log``.
     """
-    config = config.validated()
     say = log or (lambda text: print(text, file=sys.stderr))
-    methods = []
-    for name in config.methods:
-        if get_method(name).available():
-            methods.append(name)
-        else:
-            say(f"cerar bench: method {name!r} needs {get_method(name).requires}, not installed: skipped")
-    config.methods = tuple(methods)
-    regimes = list(config.regimes)
-    notes: list[str] = []
-    if "slow" in regimes:
-        reason = netem.unavailable_reason()
-        if reason is not None:
-            message = f"slow regime unavailable: {reason}; running fast only"
-            say(f"cerar bench: {message}")
-            notes.append(message)
-            regimes = [r for r in regimes if r != "slow"] or ["fast"]
+    config, regimes, notes = _runnable(config, say)
     cases = build_cases(config)
     load_before = _load_average()
     ticks = (config.warmup + config.iters + 1) * len(cases)
@@ -241,6 +151,28 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Log | None = N
     }
 
 
+def _runnable(config: BenchConfig, say: Log) -> tuple[BenchConfig, list[str], list[str]]:
+    """What this machine can run of ``config``: the config without the methods whose code is
+    not installed, the regimes (``slow`` needs root, ``ip`` and ``tc``), and notes for the
+    document on what was left out."""
+    methods = []
+    for name in config.methods:
+        if get_method(name).available():
+            methods.append(name)
+        else:
+            say(f"cerar bench: method {name!r} needs {get_method(name).requires}, not installed: skipped")
+    regimes = list(config.regimes)
+    notes: list[str] = []
+    if "slow" in regimes:
+        reason = netem.unavailable_reason()
+        if reason is not None:
+            message = f"slow regime unavailable: {reason}; running fast only"
+            say(f"cerar bench: {message}")
+            notes.append(message)
+            regimes = [r for r in regimes if r != "slow"] or ["fast"]
+    return replace(config, methods=tuple(methods)), regimes, notes
+
+
 def _load_average() -> list[float] | None:
     # The machine may be shared: the load next to the numbers says how much to trust them.
     try:
@@ -252,8 +184,9 @@ def _load_average() -> list[float] | None:
 def _progress_bar(total: int, enabled: bool) -> Any:
     if not enabled:
         return None
-    from tqdm import tqdm
+    from cerar.experiments._extras import require
 
+    tqdm = require("tqdm", "bench").tqdm
     return tqdm(total=total, desc="cerar bench", unit="it", file=sys.stderr, dynamic_ncols=True)
 
 
@@ -261,14 +194,15 @@ def _run_regime(
     regime: str, cases: list[dict[str, Any]], config: BenchConfig, bar: Any, offset: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Launch the ranks for one regime; return its info and the raw records it produced."""
-    from cerar.experiments.bench.worker import PROGRESS
+    from cerar.experiments.bench.worker import PROGRESS_KIND
+    from cerar.harness.progress import parse_progress
 
     def on_line(rank: int, stream: str, line: str) -> None:
-        if bar is None or not line.startswith(PROGRESS):
+        progress = parse_progress(line, PROGRESS_KIND) if bar is not None and stream == "stdout" else None
+        if progress is None:
             return
-        done, _total, *label = line[len(PROGRESS) :].split()
-        bar.n = offset + int(done)
-        bar.set_postfix_str(f"{regime} {' '.join(label)}", refresh=False)
+        bar.n = offset + progress.done
+        bar.set_postfix_str(f"{regime} {progress.detail}", refresh=False)
         bar.refresh()
 
     info: dict[str, Any] = {"rate": None, "delay": None, "link_rate_bytes_per_s": None, "error": None}
@@ -333,7 +267,7 @@ def analyse(records: list[dict[str, Any]], world_size: int) -> tuple[list[dict],
     fits: list[dict[str, Any]] = []
     for key, rows in groups.items():
         rows.sort(key=lambda r: r["size_bytes"])
-        method = METHODS[key[1]]
+        method = ALL_REDUCE_METHODS[key[1]]
         fit = fit_alpha_beta(
             [r["size_bytes"] for r in rows],
             [r["bytes_sent_per_rank"] for r in rows],

@@ -23,7 +23,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from cerar.experiments.bench.methods import METHODS, get_method
+from cerar._version import __version__
+from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, get_method
 from cerar.experiments.bench.stats import algbw as algbw_of
 from cerar.experiments.bench.stats import busbw, summarize
 
@@ -142,10 +143,8 @@ def versions() -> dict[str, Any]:
     import numpy
     import torch
 
-    import cerar
-
     return {
-        "cerar": cerar.__version__,
+        "cerar": __version__,
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "python": sys.version.split()[0],
@@ -172,7 +171,7 @@ def validate_document(doc: Mapping[str, Any]) -> None:
                 raise ValueError(f"Result {i} key {key!r} must be {names}, not {value!r}.")
         if record["regime"] not in ("fast", "slow"):
             raise ValueError(f"Result {i} key 'regime' must be 'fast' or 'slow', not {record['regime']!r}.")
-        method = METHODS.get(record["method"])
+        method = ALL_REDUCE_METHODS.get(record["method"])
         if method is not None and (record["components"] is None) == method.coded:
             raise ValueError(
                 f"Result {i} key 'components' must be set exactly for coded methods, not "

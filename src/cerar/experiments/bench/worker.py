@@ -5,8 +5,10 @@ each case of the config (a method, its code, a message size) the rank runs, in t
 manner: warm-up iterations, then timed iterations with a barrier before each; an iteration's time
 is the slowest rank's. A separate pass afterwards checks the result against the exact sum, so
 the check never sits inside the timed loop. Rank 0 writes the records to the config's ``out``
-path after every case (a later failure keeps the earlier results) and prints progress lines
-``@@cerar-bench progress DONE TOTAL LABEL`` that the driver turns into a progress bar.
+path after every case, atomically (a later failure keeps the earlier results, and the driver
+never reads half a file), and prints progress lines of kind ``bench`` (:mod:`cerar.harness.progress`,
+detail: the case's label) that the driver turns into a progress bar. The process starts and
+stops as every rank does (:func:`cerar.harness.rank.rank_process`).
 
 Config keys: ``world_size``, ``seed``, ``warmup``, ``iters``, ``out`` and ``cases``, a list of
 ``{"method", "size_bytes", "components", "construction", "code"}`` (``code`` a
@@ -23,7 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-PROGRESS = "@@cerar-bench progress"
+from cerar._files import atomic_write_text
+from cerar.harness.progress import print_progress
+from cerar.harness.rank import rank_process
+
+#: The kind of this worker's progress lines (see :mod:`cerar.harness.progress`).
+PROGRESS_KIND = "bench"
 
 
 def _tx_bytes() -> int | None:
@@ -62,7 +69,7 @@ class _Progress:
     def tick(self, label: str) -> None:
         self.done += 1
         if self.enabled:
-            print(f"{PROGRESS} {self.done} {self.total} {label}", flush=True)
+            print_progress(PROGRESS_KIND, self.done, self.total, label)
 
 
 def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, progress: _Progress) -> dict:
@@ -132,14 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m cerar.experiments.bench.worker CONFIG.json", file=sys.stderr)
         return 2
     config = json.loads(Path(args[0]).read_text())
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # several ranks share two cores: one thread each
-    dist.init_process_group("gloo")
-    try:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+    with rank_process() as me:
+        rank, world_size = me.rank, me.world_size
         cases = config["cases"]
         per_case = int(config["warmup"]) + int(config["iters"]) + 1
         progress = _Progress(per_case * len(cases), enabled=rank == 0)
@@ -156,13 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 exact = _exact_sum(values, seed, world_size)
             records.append(run_case(case, config, x, exact, progress))
             if rank == 0:
-                tmp = Path(config["out"] + ".tmp")
-                tmp.write_text(json.dumps(records))
-                tmp.replace(config["out"])  # atomic: the driver never reads half a file
-        dist.barrier()
-    finally:
-        # Without it Gloo may abort the process at interpreter exit.
-        dist.destroy_process_group()
+                atomic_write_text(config["out"], json.dumps(records))
     return 0
 
 

@@ -29,12 +29,10 @@ capture) and ``config``, the :class:`~cerar.experiments.train.config.TrainConfig
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from cerar._checks import check_float, check_int
+from cerar._files import atomic_path
 from cerar.experiments.train.config import ModelConfig, TrainConfig, add_config_arguments, config_from_args
 
 __all__ = [
@@ -194,10 +193,7 @@ def save_capture(capture: Capture, path: Path | str) -> Path:
     if not isinstance(capture, Capture):
         raise TypeError(f"Argument 'capture' must be a Capture, not {type(capture).__name__}.")
     path = _check_path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".npz", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path, suffix=".npz") as tmp:  # the suffix keeps np.savez from adding one
         np.savez(
             tmp,
             gradients=capture.gradients.astype(np.float32),
@@ -205,10 +201,6 @@ def save_capture(capture: Capture, path: Path | str) -> Path:
             losses=capture.losses.astype(np.float64),
             config=np.array(capture.config.to_json()),
         )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 
@@ -262,8 +254,8 @@ def capture_gradients(
         batch_size: sequences per rank per step.
         seed: initial weights and data order.
         timeout_s: limit for the ranks' run.
-        on_line: forwarded to :func:`cerar.harness.launch.launch` (progress lines from rank 0 look like
-            ``cerar-capture STEP STEPS LOSS``).
+        on_line: forwarded to :func:`cerar.harness.launch.launch` (rank 0's progress lines are of
+            kind ``capture``, see :mod:`cerar.harness.progress`: step, steps, loss).
     """
     from cerar.harness.launch import launch
 
@@ -297,7 +289,8 @@ def capture_gradients(
     return load_capture(out_path)
 
 
-PROGRESS_PREFIX = "cerar-capture"
+#: The kind of this worker's progress lines (see :mod:`cerar.harness.progress`: step, steps, loss).
+PROGRESS_KIND = "capture"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,33 +302,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--capture-steps", type=int, nargs="+", default=None,
                         help="steps in [0, steps] (default: 0, steps // 2, steps)")
-    parser.add_argument("--progress", action="store_true", help="rank 0 prints 'cerar-capture STEP STEPS LOSS'")
+    parser.add_argument("--progress", action="store_true", help="rank 0 prints progress lines of kind 'capture'")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="Gloo timeout for one collective")
     add_config_arguments(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of one rank (see the module docstring)."""
-    import torch
-    import torch.distributed as dist
+    """Entry point of one rank (see the module docstring); started and stopped as every rank is
+    (:func:`cerar.harness.rank.rank_process`)."""
+    from cerar.harness.progress import print_progress
+    from cerar.harness.rank import rank_process
 
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(1)  # several ranks share the cores: intra-op threads would only fight
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
-    try:
-        config = config_from_args(args, "allreduce", args.seed, dist.get_world_size())
+    with rank_process(args.timeout_s) as me:
+        config = config_from_args(args, "allreduce", args.seed, me.world_size)
         wanted = default_capture_steps(config.steps) if args.capture_steps is None else args.capture_steps
 
         def report(step: int, steps: int, loss: float) -> None:
-            print(f"{PROGRESS_PREFIX} {step} {steps} {loss:.4f}", flush=True)
+            print_progress(PROGRESS_KIND, step, steps, f"{loss:.4f}")
 
         capture = capture_rank(config, wanted, report if args.progress else None)
         if capture is not None:
             save_capture(capture, args.out)
             print(json.dumps({"out": str(args.out), "steps": list(capture.steps), "size": capture.size}))
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

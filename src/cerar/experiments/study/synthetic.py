@@ -4,7 +4,7 @@ Every function here returns plain JSON-ready dicts so that other modes of the co
 later ``--gradients`` mode measuring real gradients) can reuse the pieces: the input generators
 (:func:`iid_inputs`, :func:`gradient_like_inputs`), the per-method error measurement
 (:func:`method_error`, :func:`ring_error`) and the plotting helpers. Pure numpy/scipy; matplotlib is
-imported only by the plotting functions.
+imported only by the plotting functions (:func:`cerar.experiments._extras.pyplot`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import numpy as np
 from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.coding.precision import ITEMSIZE, precision_name, rounder
+from cerar.experiments._extras import pyplot
 from cerar.protocol.simulate import simulate
 
 __all__ = [
-    "METHODS",
+    "DESIGNS",
     "fit_slope",
     "gradient_like_inputs",
     "iid_inputs",
@@ -34,9 +35,15 @@ __all__ = [
 ]
 
 
-#: The trade-off study's CERAR methods: the plain perturbed construction, the same with its seam
-#: spread (:mod:`cerar.coding.seam`), and :func:`cerar.coding.codes.optimized` (spread-seam designs).
-METHODS: tuple[str, ...] = ("perturbed", "perturbed-spread", "optimized")
+#: The trade-off study's code designs, by name: each a construction of
+#: :data:`cerar.coding.codes.CONSTRUCTIONS` and its options: the plain perturbed construction,
+#: the same with its seam spread (:mod:`cerar.coding.seam`), and
+#: :func:`cerar.coding.codes.optimized` (spread-seam designs).
+DESIGNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "perturbed": ("perturbed", {}),
+    "perturbed-spread": ("perturbed", {"spread_seam": True}),
+    "optimized": ("optimized", {}),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,11 +136,11 @@ def tradeoff_study(
     precisions: Sequence[str] = ("fp32", "fp64"),
     size_per_component: int = 256,
     seed: int = 0,
-    methods: Sequence[str] = METHODS,
+    designs: Sequence[str] = tuple(DESIGNS),
 ) -> dict[str, Any]:
     """For each ``N``, packet precision and ``c = multiple * N``: bytes per gradient element
-    (``itemsize * (1 + (N-2)/c)``) and simulated worst-rank error on i.i.d. inputs, per method
-    (see :data:`METHODS`); plus the 16-bit ring references (error and bytes) and the exact
+    (``itemsize * (1 + (N-2)/c)``) and simulated worst-rank error on i.i.d. inputs, per design
+    (see :data:`DESIGNS`); plus the 16-bit ring references (error and bytes) and the exact
     ring's bytes."""
     points: list[dict[str, Any]] = []
     references: dict[str, Any] = {}
@@ -148,13 +155,13 @@ def tradeoff_study(
             for multiple in multiples:
                 c = round(multiple * n_ranks)
                 inputs = iid_inputs(n_ranks, size_per_component * c, seed + 1)
-                for method in methods:
-                    code = _design(method, n_ranks, c, precision)
+                for design in designs:
+                    code = _design(design, n_ranks, c, precision)
                     points.append({
                         "world_size": n_ranks,
                         "components": c,
                         "precision": precision,
-                        "method": method,
+                        "design": design,
                         "bytes_per_element": ITEMSIZE[precision] * code.comm_rate,
                         "error": method_error(code, inputs, precision),
                         "cond": float(np.max(code.cond)),
@@ -167,25 +174,18 @@ def tradeoff_study(
     }
 
 
-def _design(method: str, world_size: int, components: int, precision: str) -> Code:
-    if method == "perturbed":
-        return codes.perturbed(world_size, components, None, precision)
-    if method == "perturbed-spread":
-        return codes.perturbed(world_size, components, None, precision, spread_seam=True)
-    if method == "optimized":
-        return codes.optimized(world_size, components, precision)
-    raise ValueError(f"Argument 'method' must be one of {METHODS}, not {method!r}.")
+def _design(design: str, world_size: int, components: int, precision: str) -> Code:
+    if design not in DESIGNS:
+        raise ValueError(f"Argument 'designs' must hold names from {tuple(DESIGNS)}, not {design!r}.")
+    construction, options = DESIGNS[design]
+    return codes.build(construction, world_size, components, precision, **options)
 
 
 # --------------------------------------------------------------------------------------------
 # Figures
 def plot_slopes(study: dict[str, Any], path: Path) -> None:
     """Two log-log panels, error and cond against the parameter, slopes in the legend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("bench", needed_by="cerar study")
     fig, (ax_e, ax_c) = plt.subplots(1, 2, figsize=(10, 4))
     for name, s in study["series"].items():
         ax_e.loglog(s["parameter"], s["error"], "o-",
@@ -206,22 +206,18 @@ def plot_slopes(study: dict[str, Any], path: Path) -> None:
 def plot_tradeoff(study: dict[str, Any], path: Path) -> None:
     """One panel per ``N``: worst-rank error against bytes per element, with the 16-bit ring
     errors as horizontal lines and the fp32/fp16 exact ring's bytes as vertical lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("bench", needed_by="cerar study")
     world_sizes = sorted({p["world_size"] for p in study["points"]})
     fig, axes = plt.subplots(1, len(world_sizes), figsize=(5 * len(world_sizes), 4.2), squeeze=False)
     markers = {"perturbed": "o", "perturbed-spread": "^", "optimized": "s"}
     for ax, n_ranks in zip(axes[0], world_sizes, strict=True):
         mine = [p for p in study["points"] if p["world_size"] == n_ranks]
         for precision in sorted({p["precision"] for p in mine}):
-            for method in sorted({p["method"] for p in mine}):
+            for design in sorted({p["design"] for p in mine}):
                 pts = sorted((p["bytes_per_element"], max(p["error"], 1e-17)) for p in mine
-                             if p["precision"] == precision and p["method"] == method)
-                ax.semilogy(*zip(*pts, strict=True), marker=markers.get(method, "x"), linestyle="-",
-                            label=f"{method} {precision}")
+                             if p["precision"] == precision and p["design"] == design)
+                ax.semilogy(*zip(*pts, strict=True), marker=markers.get(design, "x"), linestyle="-",
+                            label=f"{design} {precision}")
         refs = study["references"][str(n_ranks)]
         for name, style in (("fp16", "--"), ("bf16", ":")):
             ax.axhline(refs[name]["error"], color="grey", linestyle=style, label=f"{name} ring error")

@@ -2,11 +2,12 @@
 
 One concern per module:
 
-* :mod:`cerar.experiments.train.config`: :class:`TrainConfig`, the validated settings of one run, and the
-  method names.
+* :mod:`cerar.experiments.train.config`: :class:`TrainConfig`, the validated settings of one run, and
+  their command-line flags.
 * :mod:`cerar.experiments.train.data`: the byte-level Shakespeare corpus, its fixed split and batches.
 * :mod:`cerar.experiments.train.model`: the GPT-NeoX (Pythia) model and :func:`local_gradient`.
-* :mod:`cerar.experiments.train.methods`: each method's DDP hook and its byte accounting.
+* :mod:`cerar.experiments.train.methods`: :data:`~cerar.experiments.train.methods.HOOKS`, each method's
+  DDP hook and its byte accounting (the method names the config accepts).
 * :mod:`cerar.experiments.train.timeline`: per-step timestamps (compute end, gradients synchronised).
 * :mod:`cerar.experiments.train.loop`: the training loop of one rank.
 * :mod:`cerar.experiments.train.worker`: the per-rank entry point (``python -m cerar.experiments.train.worker``,

@@ -1,4 +1,4 @@
-"""Validated settings of one training run, the method names, and their command-line form.
+"""Validated settings of one training run and their command-line form.
 
 A :class:`TrainConfig` is checked when built (bad values raise ``ValueError``/``TypeError``
 naming the argument and the value) and round-trips through JSON, which is how the command
@@ -14,10 +14,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from cerar._checks import check_choice, check_float, check_int
+from cerar.comm.policies import NONFINITE_POLICIES
+from cerar.experiments._flags import add_flags, flag, flag_group, from_flags
+from cerar.experiments.train.methods import HOOKS
 
-__all__ = ["METHODS", "ModelConfig", "TrainConfig", "add_config_arguments", "config_from_args", "parse_method"]
+__all__ = ["ModelConfig", "TrainConfig", "add_config_arguments", "config_from_args", "parse_method"]
 
-METHODS: tuple[str, ...] = ("allreduce", "ring", "cerar", "fp16", "bf16", "powersgd")
 BYTE_VOCAB = 256  # byte-level tokens: no tokenizer to download
 
 
@@ -30,11 +32,11 @@ class ModelConfig:
     takes about 0.1 s on one core here, so four ranks on two cores train 200 steps in about a minute and a half.
     """
 
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
-    seq_len: int = 128
-    rotary_pct: float = 0.25
+    layers: int = field(default=4, metadata=flag("transformer layers"))
+    hidden: int = field(default=128, metadata=flag("hidden size (a multiple of heads)"))
+    heads: int = field(default=4, metadata=flag("attention heads"))
+    seq_len: int = field(default=128, metadata=flag("context length in bytes"))
+    rotary_pct: float = field(default=0.25, metadata=flag("share of each head with rotary embeddings (Pythia: 0.25)"))
 
     def __post_init__(self) -> None:
         check_int("layers", self.layers, minimum=1)
@@ -51,49 +53,48 @@ class TrainConfig:
     """One run: a method, the model, the data order and the optimiser schedule.
 
     Every method with the same ``seed`` sees the same initial weights and the same batches in
-    the same order (see :mod:`cerar.experiments.train.data`).
+    the same order (see :mod:`cerar.experiments.train.data`). The fields with a flag are the
+    options of ``cerar train`` and of the worker (their help is in the field's metadata); the
+    others come from the method spec (:func:`parse_method`) and the command.
 
     Args:
-        method: one of :data:`METHODS`.
+        method: a key of :data:`~cerar.experiments.train.methods.HOOKS`.
         components: ``cerar``: the code's ``c`` (``None``: ``2N``).
-        powersgd_rank: ``powersgd``: the matrix approximation rank.
-        steps: optimizer steps.
-        batch_size: sequences per rank per step (global batch ``N x batch_size``).
-        model: the :class:`ModelConfig`.
-        lr, min_lr_ratio, warmup_steps: AdamW learning rate, linear warm-up for
-            ``warmup_steps`` then cosine decay to ``min_lr_ratio x lr`` at the last step.
-        weight_decay: AdamW weight decay on matrices (not on biases and norms), as Pythia.
-        grad_clip: clip the averaged gradient's norm (``0``: off). A step whose averaged
-            gradient is not finite is skipped and counted.
-        eval_every: evaluate the validation loss every this many steps (and at the end).
-        eval_sequences: validation sequences per evaluation (fixed, the same for every run).
         seed: initial weights and data order.
-        bucket_cap_mb: DDP's bucket size: several buckets let communication overlap backward.
         nonfinite, resync_every, divergence_tol: ``cerar``/``ring``: see
             :class:`cerar.comm.ddp.CerarState`.
     """
 
     method: str = "allreduce"
     components: int | None = None
-    powersgd_rank: int = 4
-    steps: int = 200
-    batch_size: int = 8
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    eval_every: int = 25
-    eval_sequences: int = 64
+    powersgd_rank: int = field(default=4, metadata=flag("powersgd: the matrix approximation rank"))
+    steps: int = field(default=200, metadata=flag("optimizer steps"))
+    batch_size: int = field(default=8, metadata=flag("sequences per rank per step (global batch N x this)"))
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=flag_group("model (GPT-NeoX, Pythia-like)"))
+    lr: float = field(default=2e-3, metadata=flag("AdamW peak learning rate"))
+    min_lr_ratio: float = field(default=0.1, metadata=flag("cosine decay ends at this x lr, at the last step"))
+    warmup_steps: int = field(default=20, metadata=flag("linear learning-rate warm-up steps"))
+    weight_decay: float = field(default=0.01, metadata=flag("AdamW weight decay on matrices (not biases, norms)"))
+    grad_clip: float = field(
+        default=1.0,
+        metadata=flag("clip the averaged gradient's norm (0: off); a step whose gradient is not finite is skipped"),
+    )
+    eval_every: int = field(default=25, metadata=flag("validation loss every this many steps (and at the end)"))
+    eval_sequences: int = field(default=64, metadata=flag("validation sequences per evaluation (fixed)"))
     seed: int = 0
-    bucket_cap_mb: float = 1.0
-    nonfinite: str = "exact"
-    resync_every: int | None = None
-    divergence_tol: float | None = None
+    bucket_cap_mb: float = field(
+        default=1.0, metadata=flag("DDP's bucket size in MB: several buckets let communication overlap backward")
+    )
+    nonfinite: str = field(default="exact", metadata=flag("cerar/ring: raise, exact or ignore on NaN/Inf input"))
+    resync_every: int | None = field(
+        default=None, metadata=flag("cerar/ring: re-sync the replicas every k steps", default_text="off")
+    )
+    divergence_tol: float | None = field(
+        default=None, metadata=flag("cerar/ring: re-sync when the replicas diverge more than this", default_text="off")
+    )
 
     def __post_init__(self) -> None:
-        check_choice("method", self.method, METHODS)
+        check_choice("method", self.method, HOOKS)
         if self.components is not None:
             check_int("components", self.components, minimum=1)
         check_int("powersgd_rank", self.powersgd_rank, minimum=1)
@@ -110,7 +111,7 @@ class TrainConfig:
         check_int("eval_sequences", self.eval_sequences, minimum=1)
         check_int("seed", self.seed, minimum=0)
         check_float("bucket_cap_mb", self.bucket_cap_mb, positive=True)
-        check_choice("nonfinite", self.nonfinite, ("raise", "exact", "ignore"))
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         if self.resync_every is not None:
             check_int("resync_every", self.resync_every, minimum=1)
         if self.divergence_tol is not None:
@@ -150,64 +151,39 @@ class TrainConfig:
 
 def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, int]]:
     """``"cerar"``, ``"cerar:12"``, ``"cerar:3N"``, ``"powersgd:2"``, ``"fp16"``... into
-    ``(method, overrides)`` with ``overrides`` the TrainConfig fields it sets."""
+    ``(method, overrides)`` with ``overrides`` the TrainConfig fields it sets (the hook's
+    :attr:`~cerar.experiments.train.methods.Hook.parameter`)."""
     world_size = check_int("world_size", world_size, minimum=1)
     if not isinstance(spec, str):
         raise TypeError(f"Argument 'method' must be a string, not {spec!r}.")
     name, _, param = spec.partition(":")
-    check_choice("method", name, METHODS)
+    hook = HOOKS[check_choice("method", name, HOOKS)]
     if not param:
-        return name, ({"components": 2 * world_size} if name == "cerar" else {})
-    if name not in ("cerar", "powersgd"):
-        raise ValueError(f"Argument 'method' takes a parameter only for cerar and powersgd, not {spec!r}.")
+        return name, ({hook.parameter: 2 * world_size} if hook.per_rank and hook.parameter else {})
+    if hook.parameter is None:
+        with_parameter = " and ".join(h.name for h in HOOKS.values() if h.parameter)
+        raise ValueError(f"Argument 'method' takes a parameter only for {with_parameter}, not {spec!r}.")
     match = re.fullmatch(r"(\d+)(N?)", param)
-    if match is None or (match.group(2) and name != "cerar"):
+    if match is None or (match.group(2) and not hook.per_rank):
         raise ValueError(f"Argument 'method' must look like 'cerar:8', 'cerar:3N' or 'powersgd:2', not {spec!r}.")
     value = int(match.group(1)) * (world_size if match.group(2) else 1)
     if value < 1:
         raise ValueError(f"Argument 'method' must have a parameter of at least 1, not {spec!r}.")
-    return name, ({"components": value} if name == "cerar" else {"powersgd_rank": value})
+    return name, {hook.parameter: value}
 
 
 # ---------------------------------------------------------------------------------------------
-# Command-line form, shared by `cerar train` and the worker (so the worker also runs under torchrun)
-
-_MODEL_OPTIONS = {"layers": int, "hidden": int, "heads": int, "seq_len": int, "rotary_pct": float}
-_RUN_OPTIONS = {
-    "steps": int,
-    "batch_size": int,
-    "lr": float,
-    "min_lr_ratio": float,
-    "warmup_steps": int,
-    "weight_decay": float,
-    "grad_clip": float,
-    "eval_every": int,
-    "eval_sequences": int,
-    "bucket_cap_mb": float,
-    "powersgd_rank": int,
-    "resync_every": int,
-    "divergence_tol": float,
-    "nonfinite": str,
-}
+# Command-line form, shared by `cerar train` and the workers (so they also run under torchrun):
+# the flags are the fields' own (:mod:`cerar.experiments._flags`).
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Options for every model and run setting, defaulting to :class:`TrainConfig`'s."""
-    model_defaults, run_defaults = ModelConfig(), TrainConfig()
-    group = parser.add_argument_group("model (GPT-NeoX, Pythia-like)")
-    for name, kind in _MODEL_OPTIONS.items():
-        default = getattr(model_defaults, name)
-        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=f"(default {default})")
-    group = parser.add_argument_group("training")
-    for name, kind in _RUN_OPTIONS.items():
-        default = getattr(run_defaults, name)
-        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=f"(default {default})")
+    add_flags(parser, TrainConfig, title="training")
 
 
 def config_from_args(args: argparse.Namespace, method: str, seed: int, world_size: int) -> TrainConfig:
-    """The :class:`TrainConfig` for one method spec (see :func:`parse_method`) and seed."""
+    """The :class:`TrainConfig` for one method spec (see :func:`parse_method`) and seed: the
+    spec's parameter wins over ``--powersgd-rank``."""
     name, overrides = parse_method(method, world_size)
-    model = ModelConfig(**{k: getattr(args, k) for k in _MODEL_OPTIONS})
-    values: dict[str, Any] = {k: getattr(args, k) for k in _RUN_OPTIONS}
-    values.update(overrides)
-    return TrainConfig(method=name, model=model, seed=seed, **values)
+    return from_flags(args, TrainConfig, method=name, seed=seed, **overrides)

@@ -22,13 +22,15 @@ from torch.nn.parallel import DistributedDataParallel
 from cerar.comm.ddp import replica_divergence
 from cerar.experiments.train.config import TrainConfig
 from cerar.experiments.train.data import Split, load_split, train_batch, validation_batch
-from cerar.experiments.train.methods import install
+from cerar.experiments.train.methods import InstalledHook, install
 from cerar.experiments.train.model import build_model, lm_loss, parameter_groups
 from cerar.experiments.train.timeline import Timeline
 
 __all__ = ["lr_factor", "train"]
 
 Progress = Callable[[int, int, float], None]
+#: The hook's counters recorded per step (as differences of the cumulative ones).
+STEP_COUNTERS = ("bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s")
 
 # The model's only buffers are rotary constants, equal on every rank: no per-forward broadcast.
 # torch 2.13 renamed the option (``broadcast_buffers`` is deprecated there).
@@ -55,7 +57,7 @@ def train(config: TrainConfig, progress: Progress | None = None, split: Split | 
     module = build_model(config.model, config.seed)
     model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb, **NO_BUFFER_SYNC)
     timeline = Timeline(module)
-    method = install(config, model, timeline)
+    hook = install(config, model, timeline)
     optimizer = torch.optim.AdamW(
         parameter_groups(module, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8
     )
@@ -63,74 +65,78 @@ def train(config: TrainConfig, progress: Progress | None = None, split: Split | 
     val_tokens = validation_batch(split, config.eval_sequences, config.model.seq_len)[rank::world_size]
 
     steps: list[dict[str, float]] = []
-    evals: list[dict[str, float]] = []
-    train_time = 0.0
-    skipped = 0
-    evals.append(_evaluate(model, val_tokens, 0, train_time))
-    before = method.counters()
+    evals = [_evaluate(model, val_tokens, 0, 0.0)]
+    train_time = 0.0  # evaluation is kept out of it
+    before = hook.counters()
     for step in range(config.steps):
         tokens = train_batch(split, step, rank, world_size, config.batch_size, config.model.seq_len, config.seed)
-        timeline.begin()
-        start = time.perf_counter()
-        loss = lm_loss(model, tokens)
-        forward_end = time.perf_counter()
-        loss.backward()
-        backward_end = time.perf_counter()
-        compute_end = timeline.compute_end or backward_end
-        exposed = timeline.exposed()
-        norm = torch.nn.utils.clip_grad_norm_(
-            module.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf
-        )
-        finite = bool(torch.isfinite(norm))
-        if finite:
-            optimizer.step()
-        else:
-            skipped += 1  # a non-finite averaged gradient: skip the update, as a loss scaler would
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        resynced = method.after_step(module)
-        end = time.perf_counter()
-        train_time += end - start
-        after = method.counters()
-        steps.append(
-            {
-                "loss": float(loss.detach()),
-                "step_s": end - start,
-                "forward_s": forward_end - start,
-                "backward_compute_s": max(0.0, compute_end - forward_end),
-                "exposed_comm_s": exposed,
-                "backward_s": backward_end - forward_end,
-                "optimizer_s": end - backward_end,
-                "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
-                "collectives": after["collectives"] - before["collectives"],
-                "encode_s": after["encode_s"] - before["encode_s"],
-                "decode_s": after["decode_s"] - before["decode_s"],
-                "collective_wall_s": after["collective_wall_s"] - before["collective_wall_s"],
-                "buckets": float(timeline.buckets),
-                "finite": float(finite),
-                "resynced": float(resynced),
-                "lr": scheduler.get_last_lr()[0],
-            }
-        )
+        record = _step(model, tokens, optimizer, scheduler, hook, timeline, config)
+        after = hook.counters()  # this step's share of the cumulative counters
+        record.update({key: after[key] - before[key] for key in STEP_COUNTERS})
         before = after
+        steps.append(record)
+        train_time += record["step_s"]
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             evals.append(_evaluate(model, val_tokens, step + 1, train_time))
         if progress is not None:
-            progress(step + 1, config.steps, steps[-1]["loss"])
+            progress(step + 1, config.steps, record["loss"])
     return {
         "final_divergence": _exact_divergence(module),
         "rank": rank,
         "world_size": world_size,
-        "method": method.name,
-        "description": method.description,
-        "bytes_measured": method.measured_bytes,
-        "method_info": method.extra,
+        "method": hook.name,
+        "description": hook.description,
+        "bytes_measured": hook.measured_bytes,
+        "method_info": hook.extra,
         "parameters": sum(p.numel() for p in module.parameters()),
         "steps": steps,
         "evals": evals,
         "train_time_s": train_time,
-        "skipped_steps": skipped,
-        "counters": method.counters(),
+        "skipped_steps": sum(1 for s in steps if not s["finite"]),
+        "counters": hook.counters(),
+    }
+
+
+def _step(
+    model: DistributedDataParallel,
+    tokens: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    hook: InstalledHook,
+    timeline: Timeline,
+    config: TrainConfig,
+) -> dict[str, float]:
+    """One optimizer step; return its loss and the phases' durations: forward; backward's
+    compute; the communication left exposed after it; all of ``backward()``; the optimizer (the
+    re-sync included)."""
+    timeline.begin()
+    start = time.perf_counter()
+    loss = lm_loss(model, tokens)
+    forward_end = time.perf_counter()
+    loss.backward()  # the hook communicates bucket by bucket while backward still computes
+    backward_end = time.perf_counter()
+    compute_end = timeline.compute_end or backward_end
+    exposed = timeline.exposed()
+    clip = config.grad_clip if config.grad_clip > 0 else math.inf
+    finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(model.module.parameters(), clip)))
+    if finite:
+        optimizer.step()  # else skip the update, as a loss scaler would (counted by the caller)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    resynced = hook.after_step(model.module)
+    end = time.perf_counter()
+    return {
+        "loss": float(loss.detach()),
+        "step_s": end - start,
+        "forward_s": forward_end - start,
+        "backward_compute_s": max(0.0, compute_end - forward_end),
+        "exposed_comm_s": exposed,
+        "backward_s": backward_end - forward_end,
+        "optimizer_s": end - backward_end,
+        "buckets": float(timeline.buckets),
+        "finite": float(finite),
+        "resynced": float(resynced),
+        "lr": scheduler.get_last_lr()[0],
     }
 
 

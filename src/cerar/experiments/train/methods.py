@@ -1,4 +1,5 @@
-"""Each method's DDP communication hook and how its bytes are counted.
+"""Each training method's DDP communication hook, registered in :data:`HOOKS`, and how its
+bytes are counted.
 
 =============  ==========================================================  ==================
 method         hook                                                        bytes
@@ -19,6 +20,10 @@ method         hook                                                        bytes
 Gloo's built-in collectives cannot be observed at that level, so their bytes are **computed**
 from the bucket sizes with the ring formula, ``2(N-1)/N x elements x bytes per element`` per
 all-reduce (PowerSGD: of the uncompressed tensors and its P and Q factors); reports label them.
+
+The names in :data:`HOOKS` are the ones :class:`~cerar.experiments.train.config.TrainConfig`
+accepts, so this module imports no config (and loads torch only when a hook is installed: the
+config, and ``cerar train --help``, load without it).
 """
 
 from __future__ import annotations
@@ -26,27 +31,42 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.nn.parallel import DistributedDataParallel
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
 
-from cerar.coding import codes
-from cerar.comm.ddp import CerarState, cerar_hook, ring_hook
-from cerar.experiments.train.config import TrainConfig
-from cerar.experiments.train.timeline import TimedState, Timeline, timed_hook
+    from cerar.experiments.train.timeline import Timeline
 
-__all__ = ["POWERSGD_START", "Method", "install"]
+__all__ = ["COUNTERS", "HOOKS", "POWERSGD_START", "Hook", "HookSettings", "InstalledHook", "install"]
 
 POWERSGD_START = 10  # PowerSGD's exact warm-up steps (torch's default, 1000, is for long runs)
+#: What :meth:`InstalledHook.counters` returns, in order.
+COUNTERS = (
+    "bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s", "fallbacks", "nonfinite_events",
+    "resyncs", "resync_s",
+)  # fmt: skip
+
+
+class HookSettings(Protocol):
+    """What a hook reads of a :class:`~cerar.experiments.train.config.TrainConfig` (a protocol,
+    not the class: the config imports this module)."""
+
+    method: str
+    components: int | None
+    powersgd_rank: int
+    seed: int
+    nonfinite: str
+    resync_every: int | None
+    divergence_tol: float | None
 
 
 @dataclass
-class Method:
-    """A method installed on one DDP model: cumulative counters and the per-step duty."""
+class InstalledHook:
+    """A hook installed on one DDP model: cumulative counters and the per-step duty."""
 
     name: str
     measured_bytes: bool
@@ -59,6 +79,8 @@ class Method:
     def counters(self) -> dict[str, float]:
         """Cumulative figures of this rank: bytes sent, collectives, encode/decode seconds,
         fallbacks, non-finite events, resyncs."""
+        from cerar.comm.ddp import CerarState
+
         if isinstance(self.state, CerarState):
             stats = self.state.stats
             return {
@@ -72,115 +94,166 @@ class Method:
                 "resyncs": float(self.state.resyncs),
                 "resync_s": self.state.resync_s,
             }
-        return {
-            "bytes_sent": float(self.bytes_computed),
-            "collectives": float(self.collectives),
-            "encode_s": 0.0,
-            "decode_s": 0.0,
-            "collective_wall_s": 0.0,
-            "fallbacks": 0.0,
-            "nonfinite_events": 0.0,
-            "resyncs": 0.0,
-            "resync_s": 0.0,
-        }
+        # Gloo's own collectives: only the computed bytes and the count are known.
+        figures = dict.fromkeys(COUNTERS, 0.0)
+        figures.update(bytes_sent=float(self.bytes_computed), collectives=float(self.collectives))
+        return figures
 
     def after_step(self, model: nn.Module) -> bool:
         """Run after every optimizer step on every rank: CERAR's scheduled or threshold re-sync."""
+        from cerar.comm.ddp import CerarState
+
         if isinstance(self.state, CerarState):
             return self.state.maybe_resync(model)
         return False
 
 
-def install(config: TrainConfig, model: DistributedDataParallel, timeline: Timeline) -> Method:
+#: ``bucket -> None``, called right before each bucket's hook (the byte accounting).
+Count = Callable[[Any], None]
+#: ``(settings, N) -> (installed, hook, hook state, count)``.
+Build = Callable[[HookSettings, int], tuple[InstalledHook, Any, Any, Count]]
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One training method: its name in ``--methods`` and how to build its hook.
+
+    Attributes:
+        name: the method name (``"cerar"``, ``"powersgd"``...), what the config accepts.
+        usage: how ``--methods`` writes it (``"cerar[:c|:kN]"``).
+        build: makes the hook for a config and ``N`` (see :data:`Build`).
+        parameter: the config field ``name:x`` sets (``None``: the method takes none).
+        per_rank: ``name:kN`` means ``k x N``, and the plain name means ``2N``.
+    """
+
+    name: str
+    usage: str
+    build: Build
+    parameter: str | None = None
+    per_rank: bool = False
+
+
+def install(config: HookSettings, model: DistributedDataParallel, timeline: Timeline) -> InstalledHook:
     """Register ``config.method``'s hook (wrapped by :func:`timed_hook`) on ``model``."""
-    world_size = dist.get_world_size()
-    ring_factor = 2 * (world_size - 1) / world_size
+    import torch.distributed as dist
 
-    def ring_bytes(elements: int, element_size: int) -> int:
-        return round(ring_factor * elements * element_size)
+    from cerar.experiments.train.timeline import TimedState, timed_hook
 
-    if config.method in ("cerar", "ring"):
-        components = config.components if config.components is not None else 2 * world_size
-        code = codes.perturbed(world_size, components) if config.method == "cerar" else None
-        state = CerarState(
-            code=code,
-            nonfinite=config.nonfinite,
-            resync_every=config.resync_every,
-            divergence_tol=config.divergence_tol,
-        )
-        description = (
-            f"cerar_hook, {state.code!r}" if config.method == "cerar" else "ring_hook (exact ring, cerar transport)"
-        )
-        method = Method(config.method, True, description, state=state)
-        hook: Any = cerar_hook if config.method == "cerar" else ring_hook
-
-        def count(bucket: dist.GradBucket) -> None:
-            method.collectives += 2  # the agreement all-reduce (a few doubles) and the ring
-
-        if config.method == "cerar":
-            method.extra = {
-                "components": components,
-                "code": repr(state.code),
-                "comm_rate": state.code.comm_rate,
-                "ring_comm_rate": state.code.ring_comm_rate,
-                "predicted_worst_error": state.code.predicted_worst_error("fp32"),
-            }
-    elif config.method == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=config.powersgd_rank,
-            start_powerSGD_iter=POWERSGD_START,
-            use_error_feedback=True,
-            warm_start=True,
-            random_seed=config.seed,
-        )
-        description = (
-            f"powerSGD_hook, rank {config.powersgd_rank}, error feedback, warm start, exact for the first "
-            f"{POWERSGD_START} steps"
-        )
-        method = Method("powersgd", False, description, state=state)
-
-        def count_powersgd(bucket: dist.GradBucket) -> None:
-            buffer = bucket.buffer()
-            if state.iter < state.start_powerSGD_iter:
-                method.bytes_computed += ring_bytes(buffer.numel(), buffer.element_size())
-                method.collectives += 1
-                return
-            elements = 0
-            for tensor in bucket.gradients():
-                n = tensor.shape[0]
-                m = tensor.numel() // max(n, 1)
-                rank = min(n, m, state.matrix_approximation_rank)
-                compressed = (n + m) * rank
-                elements += compressed if compressed * state.min_compression_rate < n * m else n * m
-            method.bytes_computed += ring_bytes(elements, buffer.element_size())
-            method.collectives += 3  # uncompressed tensors, then P, then Q
-
-        method.extra = {"powersgd_rank": config.powersgd_rank, "start_iter": POWERSGD_START}
-        # Bytes are counted on the serial thread, right before each bucket's hook, where
-        # ``state.iter`` is current.
-        hook = _SerialHook(powerSGD_hook.powerSGD_hook, count_powersgd)
-        count = _nothing
-    else:
-        builtin = {
-            "allreduce": (default_hooks.allreduce_hook, 4, "allreduce_hook (= DDP's default)"),
-            "fp16": (default_hooks.fp16_compress_hook, 2, "fp16_compress_hook"),
-            "bf16": (default_hooks.bf16_compress_hook, 2, "bf16_compress_hook"),
-        }
-        hook, wire_size, description = builtin[config.method]
-        state = None  # the default process group
-        method = Method(config.method, False, description, state=None)
-
-        def count(bucket: dist.GradBucket) -> None:
-            method.bytes_computed += ring_bytes(bucket.buffer().numel(), wire_size)
-            method.collectives += 1
-
+    installed, hook, state, count = HOOKS[config.method].build(config, dist.get_world_size())
     model.register_comm_hook(TimedState(hook, state, timeline, count), timed_hook)
-    return method
+    return installed
+
+
+def _ring_bytes(world_size: int, elements: int, element_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``elements`` values: ``2(N-1)/N`` of them."""
+    return round(2 * (world_size - 1) / world_size * elements * element_size)
+
+
+def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
+    """``cerar`` (``perturbed(N, c)``) or ``ring`` (the exact ring on the same transport)."""
+    from cerar.coding import codes
+    from cerar.comm.ddp import CerarState, cerar_hook, ring_hook
+
+    coded = config.method == "cerar"
+    components = config.components if config.components is not None else 2 * world_size
+    state = CerarState(
+        code=codes.perturbed(world_size, components) if coded else None,
+        nonfinite=config.nonfinite,
+        resync_every=config.resync_every,
+        divergence_tol=config.divergence_tol,
+    )
+    if coded:
+        installed = InstalledHook("cerar", True, f"cerar_hook, {state.code!r}", state=state)
+        installed.extra = {
+            "components": components,
+            "code": repr(state.code),
+            "comm_rate": state.code.comm_rate,
+            "ring_comm_rate": state.code.ring_comm_rate,
+            "predicted_worst_error": state.code.predicted_worst_error("fp32"),
+        }
+    else:
+        installed = InstalledHook("ring", True, "ring_hook (exact ring, cerar transport)", state=state)
+
+    def count(bucket: dist.GradBucket) -> None:
+        installed.collectives += 2  # the agreement all-reduce (a few doubles) and the ring
+
+    return installed, cerar_hook if coded else ring_hook, state, count
+
+
+def _build_powersgd(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
+    """torch's PowerSGD, run one bucket at a time (:class:`_SerialHook`), bytes computed."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=config.powersgd_rank,
+        start_powerSGD_iter=POWERSGD_START,
+        use_error_feedback=True,
+        warm_start=True,
+        random_seed=config.seed,
+    )
+    description = (
+        f"powerSGD_hook, rank {config.powersgd_rank}, error feedback, warm start, exact for the first "
+        f"{POWERSGD_START} steps"
+    )
+    installed = InstalledHook("powersgd", False, description, state=state)
+    installed.extra = {"powersgd_rank": config.powersgd_rank, "start_iter": POWERSGD_START}
+
+    def count_powersgd(bucket: dist.GradBucket) -> None:
+        buffer = bucket.buffer()
+        if state.iter < state.start_powerSGD_iter:
+            installed.bytes_computed += _ring_bytes(world_size, buffer.numel(), buffer.element_size())
+            installed.collectives += 1
+            return
+        elements = 0
+        for tensor in bucket.gradients():
+            n = tensor.shape[0]
+            m = tensor.numel() // max(n, 1)
+            rank = min(n, m, state.matrix_approximation_rank)
+            compressed = (n + m) * rank
+            elements += compressed if compressed * state.min_compression_rate < n * m else n * m
+        installed.bytes_computed += _ring_bytes(world_size, elements, buffer.element_size())
+        installed.collectives += 3  # uncompressed tensors, then P, then Q
+
+    # Bytes are counted on the serial thread, right before each bucket's hook, where
+    # ``state.iter`` is current; the timed wrapper's own count does nothing.
+    return installed, _SerialHook(powerSGD_hook.powerSGD_hook, count_powersgd), state, _nothing
+
+
+def _builtin(hook_name: str, wire_size: int, description: str) -> Build:
+    """A torch default hook (``default_hooks.<hook_name>``) on the default process group, whose
+    ``wire_size``-byte values are counted with the ring formula."""
+
+    def build(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        installed = InstalledHook(config.method, False, description)
+
+        def count(bucket: dist.GradBucket) -> None:
+            installed.bytes_computed += _ring_bytes(world_size, bucket.buffer().numel(), wire_size)
+            installed.collectives += 1
+
+        return installed, getattr(default_hooks, hook_name), None, count
+
+    return build
 
 
 def _nothing(bucket: dist.GradBucket) -> None:
     return None
+
+
+#: The training methods, in the order the config lists them.
+HOOKS: dict[str, Hook] = {
+    hook.name: hook
+    for hook in (
+        Hook("allreduce", "allreduce", _builtin("allreduce_hook", 4, "allreduce_hook (= DDP's default)")),
+        Hook("ring", "ring", _build_cerar_or_ring),
+        Hook("cerar", "cerar[:c|:kN]", _build_cerar_or_ring, parameter="components", per_rank=True),
+        Hook("fp16", "fp16", _builtin("fp16_compress_hook", 2, "fp16_compress_hook")),
+        Hook("bf16", "bf16", _builtin("bf16_compress_hook", 2, "bf16_compress_hook")),
+        Hook("powersgd", "powersgd[:r]", _build_powersgd, parameter="powersgd_rank"),
+    )
+}
 
 
 class _SerialHook:
@@ -199,12 +272,15 @@ class _SerialHook:
         hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]],
         before: Callable[[dist.GradBucket], None],
     ) -> None:
+        import torch
+
+        self._future = torch.futures.Future
         self._hook = hook
         self._before = before
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cerar-serial-hook")
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        result: torch.futures.Future[torch.Tensor] = self._future()
 
         def run_bucket() -> None:
             try:

@@ -15,6 +15,9 @@ def build_model(config: ModelConfig, seed: int) -> nn.Module:
     """A ``GPTNeoXForCausalLM`` with Pythia's choices: rotary on ``rotary_pct`` of each head
     (Pythia: 0.25), parallel residual, untied input/output embeddings, no dropout, 4x MLP,
     GELU, LayerNorm; byte vocabulary. Weights drawn from ``seed`` (the same on every rank)."""
+    from cerar.experiments._extras import require
+
+    require("transformers", "train")  # the message names the extra; a rank prints it and fails
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
     from transformers.utils import logging as hf_logging
 

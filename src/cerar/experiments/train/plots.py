@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cerar.experiments._extras import pyplot
 from cerar.experiments.train.report import RunSummary
 
 __all__ = ["plot_breakdown", "plot_loss"]
@@ -14,11 +15,7 @@ __all__ = ["plot_breakdown", "plot_loss"]
 
 def plot_loss(runs: Sequence[dict[str, Any]], path: Path, *, target: float | None = None) -> Path:
     """Validation loss vs step (left) and vs training wall-clock, evaluation excluded (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("train")
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for run in runs:
         evals = run["ranks"][0]["evals"]
@@ -51,11 +48,7 @@ def plot_loss(runs: Sequence[dict[str, Any]], path: Path, *, target: float | Non
 def plot_breakdown(summaries: Sequence[RunSummary], path: Path) -> Path:
     """Stacked mean step time per run: forward, backward compute, exposed communication, the
     rest of ``backward()`` (copying buckets back), optimizer (re-sync included)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("train")
     parts = [
         ("forward", "forward_s"),
         ("backward compute", "backward_compute_s"),

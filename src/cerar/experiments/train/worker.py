@@ -7,28 +7,31 @@ trains (:func:`cerar.experiments.train.loop.train`) and, on rank 0, writes every
     torchrun --nproc-per-node 4 -m cerar.experiments.train.worker --method cerar:8 --steps 100 --out run.json
 
 ``--config FILE`` takes a :class:`~cerar.experiments.train.config.TrainConfig` JSON instead of the options
-(what ``cerar train`` passes). ``--progress lines`` prints ``cerar-progress STEP STEPS LOSS`` on
-rank 0 for a launcher to follow; ``bar`` shows a tqdm bar; ``none`` is silent.
+(what ``cerar train`` passes). ``--progress lines`` prints progress lines of kind ``train``
+(:mod:`cerar.harness.progress`: step, steps, loss) on rank 0 for a launcher to follow; ``bar``
+shows a tqdm bar; ``none`` is silent. The process starts and stops as every rank does
+(:func:`cerar.harness.rank.rank_process`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from cerar._files import atomic_write_text
 from cerar.experiments.train.config import TrainConfig, add_config_arguments, config_from_args
 from cerar.experiments.train.loop import train
+from cerar.harness.progress import print_progress
+from cerar.harness.rank import rank_process
 
-PROGRESS_PREFIX = "cerar-progress"
+#: The kind of this worker's progress lines (see :mod:`cerar.harness.progress`).
+PROGRESS_KIND = "train"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,37 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one rank. The process group stays up on return: see :func:`_exit`."""
+    """Run one rank."""
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(1)  # several ranks share two cores: intra-op threads would only fight
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    if args.config is not None:
-        config = TrainConfig.from_json(args.config.read_text())
-    else:
-        config = config_from_args(args, args.method, args.seed, world_size)
-    record = train(config, progress=_progress(args.progress, rank, config.label))
-    records: list[Any] = [None] * world_size
-    dist.all_gather_object(records, record)
-    if rank == 0:
-        out = {"config": config.to_dict(), "label": config.label, "world_size": world_size, "ranks": records}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, args.out)
-    dist.barrier()  # rank 0's file is written before any rank leaves
+    with rank_process(args.timeout_s) as me:
+        if args.config is not None:
+            config = TrainConfig.from_json(args.config.read_text())
+        else:
+            config = config_from_args(args, args.method, args.seed, me.world_size)
+        record = train(config, progress=_progress(args.progress, me.rank, config.label))
+        records: list[Any] = [None] * me.world_size
+        dist.all_gather_object(records, record)
+        if me.rank == 0:
+            out = {"config": config.to_dict(), "label": config.label, "world_size": me.world_size, "ranks": records}
+            atomic_write_text(args.out, json.dumps(out))
     return 0
-
-
-def _exit(code: int) -> None:
-    """Leave without interpreter teardown. Tearing down Gloo groups while cerar's daemon
-    communication threads still exist aborted a rank once in a few runs here ("terminate called
-    without an active exception", SIGABRT) after all its work was done; every result is
-    written and every rank is past the final barrier, so nothing is lost by skipping it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _progress(kind: str | None, rank: int, label: str) -> Any:
@@ -88,7 +74,7 @@ def _progress(kind: str | None, rank: int, label: str) -> Any:
     if kind == "lines":
 
         def line(step: int, steps: int, loss: float) -> None:
-            print(f"{PROGRESS_PREFIX} {step} {steps} {loss:.4f}", flush=True)
+            print_progress(PROGRESS_KIND, step, steps, f"{loss:.4f}")
 
         return line
     if kind == "bar":
@@ -108,4 +94,4 @@ def _progress(kind: str | None, rank: int, label: str) -> Any:
 
 
 if __name__ == "__main__":
-    _exit(main())
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The communication thread that runs every cerar call of a process, and the async handle.
+
+One thread per process runs the calls in submission order, so async and sync calls interleave
+exactly as issued on every rank (each rank's point-to-point messages must pair up with its
+neighbours' in the same order). The thread is started on the first call and stopped by
+:meth:`CommThread.shutdown` (``cerar.shutdown()``), which is also registered with ``atexit``:
+a process that exits while a call is on the wire would otherwise tear down Gloo under a thread
+still inside it, and the C++ runtime aborts the process ("terminate called without an active
+exception", SIGABRT) after all its Python work is done.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+__all__ = ["COMM", "CerarWork", "CommThread", "ShutdownError"]
+
+#: How long :meth:`CommThread.shutdown` waits for the calls already submitted, by default. The
+#: calls of a healthy ring finish in well under this; a call waiting on a dead peer fails by
+#: itself within the process group's timeout.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
+
+
+class ShutdownError(RuntimeError):
+    """A call was still queued when ``cerar.shutdown()`` gave up waiting: it never ran."""
+
+
+class CerarWork:
+    """Handle of an async cerar call, shaped like ``torch.distributed.Work``."""
+
+    def __init__(self, future: Future[torch.Tensor]) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the call completes; re-raise its error. Returns True."""
+        self._future.result(timeout=timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """A ``torch.futures.Future`` whose value is ``[tensor]``, as for torch's all_reduce."""
+        out: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+
+        def forward(done: Future[torch.Tensor]) -> None:
+            error = done.exception()
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result([done.result()])
+
+        self._future.add_done_callback(forward)
+        return out
+
+
+_Job = tuple[Callable[[], None], Future[torch.Tensor], torch.Tensor]
+
+
+class _Worker:
+    """One started thread and its own queue (``None`` in the queue tells it to stop).
+
+    A queue per thread, not one for the process: a thread that :meth:`CommThread.shutdown`
+    gave up on (stuck in a call) must never pick up the calls of the thread that replaces it.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="cerar-comm", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            job, future, tensor = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                job()
+            except BaseException as exc:  # surfaced to the caller through the future
+                future.set_exception(exc)
+            else:
+                future.set_result(tensor)
+
+    def fail_queued(self) -> int:
+        """Fail every call still queued (never started); returns how many."""
+        failed = 0
+        while True:
+            try:
+                item = self.jobs.get_nowait()
+            except queue.Empty:
+                return failed
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(
+                    ShutdownError("cerar.shutdown: the call was still queued behind a stuck call and never ran.")
+                )
+                failed += 1
+
+
+class CommThread:
+    """The process's communication thread: started on demand, stopped by :meth:`shutdown`."""
+
+    def __init__(self) -> None:
+        self._worker: _Worker | None = None
+        # Held while a thread is started or stopped, and while a call is queued: a call
+        # submitted during a shutdown waits for it and then goes to a fresh thread, so two
+        # threads never run calls at the same time.
+        self._lock = threading.Lock()
+        self._atexit_registered = False
+
+    def submit(self, job: Callable[[], None], tensor: torch.Tensor, async_op: bool) -> CerarWork | None:
+        """Queue ``job`` (which works on ``tensor`` in place); wait for it unless ``async_op``."""
+        future: Future[torch.Tensor] = Future()
+        with self._lock:
+            if self._worker is None or not self._worker.thread.is_alive():
+                self._worker = _Worker()
+                if not self._atexit_registered:
+                    # Registered at the first call, so it runs before the exit handlers of
+                    # whatever the program set up before (atexit runs them last-in first-out).
+                    atexit.register(self.shutdown)
+                    self._atexit_registered = True
+            self._worker.jobs.put((job, future, tensor))
+        if async_op:
+            return CerarWork(future)
+        future.result()
+        return None
+
+    def shutdown(self, timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
+        """Stop the thread after the calls already submitted; see ``cerar.shutdown``.
+
+        Returns True if the thread is gone (or never ran), False if a call was still running
+        after ``timeout_s`` (the calls queued behind it then fail with :class:`ShutdownError`
+        and the thread is abandoned; it exits once that call returns).
+        """
+        with self._lock:
+            worker, self._worker = self._worker, None
+            if worker is None:
+                return True
+            if worker.thread is threading.current_thread():
+                self._worker = worker
+                raise RuntimeError("cerar.shutdown cannot be called from the communication thread (a callback).")
+            worker.jobs.put(None)
+            worker.thread.join(timeout_s)
+            if worker.thread.is_alive():
+                worker.fail_queued()
+                worker.jobs.put(None)  # the stop request was drained too: ask again
+                return False
+        return True
+
+    def _after_fork(self) -> None:
+        # A forked child has no thread (only the forking one survives fork) and may have
+        # inherited the lock held: start from scratch.
+        self._worker = None
+        self._lock = threading.Lock()
+
+
+COMM = CommThread()
+with contextlib.suppress(AttributeError):  # os.register_at_fork: POSIX only
+    os.register_at_fork(after_in_child=COMM._after_fork)

@@ -1,0 +1,176 @@
+"""What ``cerar bench`` measures: :class:`BenchConfig`, checked when built, whose flagged
+fields are the command's options (:mod:`cerar.experiments._flags`), and the size notation.
+
+Sizes are bytes of float32 written ``64K``, ``1M``, ``16M`` (powers of 1024), as the command
+line and the table show them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from cerar._checks import check_choice, check_float, check_int
+from cerar.coding import codes
+from cerar.experiments._flags import flag
+from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, BASELINE, get_method
+from cerar.harness import netem
+from cerar.harness.launch import DEFAULT_RATE
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "QUICK_PRESET",
+    "QUICK_SIZES",
+    "REGIME_CHOICES",
+    "BenchConfig",
+    "format_size",
+    "parse_size",
+]
+
+REGIME_CHOICES = ("fast", "slow", "both")
+MiB = 1 << 20
+DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+QUICK_SIZES = (64 << 10, 256 << 10)
+_SIZE_PATTERN = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmg]?)(i?b?)$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """``"4M"``, ``"64K"``, ``"1MiB"``, ``"1048576"`` -> bytes (K, M, G are powers of 1024)."""
+    match = _SIZE_PATTERN.match(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"Argument 'sizes' must be sizes such as 64K, 1M, 16M or 1048576, not {text!r}.")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match.group(2).lower()]
+    value = float(match.group(1)) * scale
+    if value != int(value):
+        raise ValueError(f"Argument 'sizes' must be a whole number of bytes, not {text!r}.")
+    return int(value)
+
+
+def format_size(size_bytes: float) -> str:
+    """``1048576`` -> ``"1M"``; ``65536`` -> ``"64K"`` (powers of 1024, as parsed)."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size_bytes >= scale:
+            value = size_bytes / scale
+            return f"{value:g}{unit}" if value == int(value) else f"{value:.3g}{unit}"
+    return f"{int(size_bytes)}B"
+
+
+# Parsers of the comma-list options: applied when the config is built, so a bad value is a
+# ValueError naming the argument (``cerar`` prints it and exits 2), as in Python.
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(s) for s in text.split(",") if s.strip())
+
+
+def _components(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"Argument 'components' must be a comma list of integers, not {text!r}.") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _regimes(text: str) -> tuple[str, ...]:
+    return ("fast", "slow") if text == "both" else (text,)
+
+
+def _sizes_text(sizes: tuple[int, ...]) -> str:
+    return ",".join(format_size(s) for s in sizes)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure, checked when built: bad values raise ``ValueError``/``TypeError``
+    naming the argument and the value.
+
+    ``components=None`` becomes ``(N, 2N)``; sizes are sorted and repeated ones dropped.
+    ``regimes`` lists ``"fast"`` and/or ``"slow"``; ``timeout_s=None`` sizes the limit of each
+    regime's run from the cases (generously: it only exists to stop a hung run).
+    """
+
+    world_size: int = field(default=4, metadata=flag("ranks", short="-N"))
+    sizes_bytes: tuple[int, ...] = field(
+        default=DEFAULT_SIZES,
+        metadata=flag(
+            "message sizes, e.g. 1M,4M,16M",
+            name="--sizes",
+            parse=_sizes,
+            default_text=f"{_sizes_text(DEFAULT_SIZES)}; --quick {_sizes_text(QUICK_SIZES)}",
+        ),
+    )
+    components: tuple[int, ...] | None = field(
+        default=None, metadata=flag("c values for cerar, e.g. 4,8", short="-c", parse=_components, default_text="N,2N")
+    )
+    constructions: tuple[str, ...] = field(
+        default=("perturbed",),
+        metadata=flag(
+            f"comma list of {', '.join(codes.CONSTRUCTIONS)}",
+            name="--construction",
+            parse=_names,
+            default_text="perturbed",
+        ),
+    )
+    methods: tuple[str, ...] = field(
+        default=("builtin", "ring", "ring-fp16", "ring-bf16", "cerar"),
+        metadata=flag(f"comma list of {', '.join(ALL_REDUCE_METHODS)}", parse=_names, default_text="all"),
+    )
+    regimes: tuple[str, ...] = field(
+        default=("fast", "slow"),
+        metadata=flag(
+            "network regime(s)", name="--regime", parse=_regimes, choices=REGIME_CHOICES, default_text="both"
+        ),
+    )
+    rate: str = field(default=DEFAULT_RATE, metadata=flag("slow: per-rank link rate"))
+    delay: str = field(default="0ms", metadata=flag("slow: added latency per link (needs netem)"))
+    iters: int = field(default=5, metadata=flag("timed iterations", default_text="5; --quick 2"))
+    warmup: int = field(default=1, metadata=flag("warm-up iterations"))
+    seed: int = field(default=0, metadata=flag("seed of the inputs"))
+    timeout_s: float | None = field(
+        default=None, metadata=flag("seconds per regime", name="--timeout", default_text="from the sizes")
+    )
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = check_int("world_size", self.world_size, minimum=2)
+        if not self.sizes_bytes:
+            raise ValueError("Argument 'sizes' must list at least one size, not ().")
+        for size in self.sizes_bytes:
+            check_int("sizes", size, minimum=4)
+            if size % 4:
+                raise ValueError(f"Argument 'sizes' must be multiples of 4 bytes (float32), not {size}.")
+        comps = self.components if self.components is not None else (n, 2 * n)
+        for c in comps:
+            check_int("components", c, minimum=1)
+        for name in self.constructions:
+            check_choice("construction", name, codes.CONSTRUCTIONS)
+            if name == "exact" and any(c != n for c in comps):
+                raise ValueError(
+                    f"Argument 'components' must equal world_size ({n}) for construction 'exact', not {list(comps)}."
+                )
+        for name in self.methods:
+            get_method(name)
+        if BASELINE not in self.methods:
+            raise ValueError(f"Argument 'methods' must include the baseline {BASELINE!r}, not {self.methods}.")
+        if not self.regimes:
+            raise ValueError("Argument 'regime' must name at least one regime, not ().")
+        for regime in self.regimes:
+            check_choice("regime", regime, ("fast", "slow"))
+        netem.check_rate(self.rate)
+        netem.check_delay(self.delay)
+        check_int("iters", self.iters, minimum=1)
+        check_int("warmup", self.warmup, minimum=0)
+        check_int("seed", self.seed, minimum=0)
+        if self.timeout_s is not None:
+            check_float("timeout_s", self.timeout_s, positive=True)
+        # Frozen: the normal forms are set once, here.
+        object.__setattr__(self, "components", tuple(dict.fromkeys(comps)))
+        object.__setattr__(self, "sizes_bytes", tuple(sorted(set(self.sizes_bytes))))
+        for name in ("constructions", "methods", "regimes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+
+#: What ``--quick`` changes (a smoke test); flags given on the command line still win.
+QUICK_PRESET: dict[str, Any] = {"sizes_bytes": QUICK_SIZES, "iters": 2}

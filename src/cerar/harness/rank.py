@@ -1,0 +1,87 @@
+"""The one way a rank process starts and stops: :func:`rank_process`.
+
+Every rank entry point (``cerar.experiments.bench.worker``, ``cerar.experiments.train.worker``,
+``cerar.experiments.study.capture``) runs its work inside it::
+
+    with rank_process(timeout_s=300) as me:
+        ...  # me.rank, me.world_size
+
+Start: one intra-op thread (several ranks share a few cores: torch's thread pools would only
+fight), then ``init_process_group("gloo")`` from the environment a launcher sets (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), unless the process already joined a group.
+
+Stop, in this order, because each step needs the previous one done:
+
+1. ``cerar.shutdown()``: the cerar calls still queued run to the end (the peers' threads are
+   still up to take part) and the communication thread exits. It comes first because the
+   barrier below is a collective on the same group: issued from another thread while a call
+   is on the wire, the two could pair up in a different order on each rank and deadlock. And
+   no thread may be inside Gloo when the group goes (the C++ runtime aborts the process
+   otherwise, SIGABRT);
+2. a barrier, on a clean exit only: no rank leaves (and tears down its end of the links) while
+   another still needs it, e.g. before rank 0 has written the results (after an error the peers
+   may be gone, and a barrier would only wait for the timeout);
+3. ``destroy_process_group()``, if this context created the group: Gloo's own threads stop
+   before interpreter teardown (which aborted ranks at exit otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from cerar._checks import check_float, check_int
+
+__all__ = ["RankInfo", "rank_process"]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+
+
+@contextlib.contextmanager
+def rank_process(timeout_s: float | None = None, threads: int = 1) -> Iterator[RankInfo]:
+    """Join the job's Gloo group for the ``with`` block and leave it cleanly; see the module doc.
+
+    Args:
+        timeout_s: the process group's timeout for one collective (``None``: torch's default,
+            30 minutes): a dead or stuck peer makes the others fail after this long.
+        threads: ``torch.set_num_threads`` for this process.
+
+    Yields:
+        The :class:`RankInfo` of this process.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from cerar.comm.collective import shutdown
+
+    if timeout_s is not None:
+        timeout_s = check_float("timeout_s", timeout_s, positive=True)
+    threads = check_int("threads", threads, minimum=1)
+    torch.set_num_threads(threads)
+    created = not dist.is_initialized()
+    if created:
+        if timeout_s is None:
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    clean = False
+    try:
+        yield RankInfo(dist.get_rank(), dist.get_world_size())
+        clean = True
+    finally:
+        try:
+            # A call still running fails on its own within the group's timeout at most.
+            stopped = shutdown() if timeout_s is None else shutdown(timeout_s)
+            if clean and stopped:
+                dist.barrier()
+        finally:
+            if created and dist.is_initialized():
+                dist.destroy_process_group()
