@@ -96,7 +96,8 @@ def all_reduce(
             Default: :func:`default_code` for the group's size.
         nonfinite: ``"raise"`` (raise :class:`NonFiniteError` on every rank, naming the ranks
             with NaN/Inf), ``"exact"`` (fall back to the exact ring for this call) or
-            ``"ignore"`` (skip the check; one NaN then spreads everywhere).
+            ``"ignore"`` (skip the check; one NaN then reaches its whole column, all ``c``
+            components of its position, on every rank).
         stats: a :class:`cerar.comm.stats.CommStats` that this call's figures are added to.
     """
     _check_tensor(tensor)
