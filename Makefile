@@ -21,15 +21,15 @@ design: $(VENV)/.installed
 	$(BIN)/cerar design
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 # Every layer: unit (single process), multirank (Gloo ranks), integration (commands, netns).
 test: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q
 
 # The single-process layer only (about a minute): the maths, the simulators, the import contract.
 test-fast: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q tests/unit -m "not multirank"
 

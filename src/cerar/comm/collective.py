@@ -1,9 +1,13 @@
 """`cerar.all_reduce` and `cerar.ring_all_reduce`: drop-ins for ``torch.distributed.all_reduce``.
 
-Both are in place, take any shape and contiguity, and return None, or with ``async_op=True`` a
-:class:`CerarWork` handle. All of a process's cerar calls run in order on one communication
-thread (:mod:`cerar.comm.worker_thread`), so async and sync calls interleave exactly as issued
-on every rank; :func:`shutdown` stops it (also at interpreter exit).
+Both are in place, take any shape and contiguity (but no view whose elements share memory, as
+``expand()`` makes) and tensors that require grad (written as ``dist.all_reduce`` writes them,
+unseen by autograd), and return None, or with ``async_op=True`` a :class:`CerarWork` handle.
+All of a process's cerar calls run in order on one communication thread
+(:mod:`cerar.comm.worker_thread`), so async and sync calls interleave exactly as issued on
+every rank; :func:`shutdown` stops it (also at interpreter exit). They must come from one
+Python thread at a time: a call from a second thread while the first one's calls are in
+flight raises ``RuntimeError``.
 
 Every call starts with one tiny agreement step (an all-reduce of a few numbers) that
 
@@ -112,7 +116,9 @@ def all_reduce(
         return None
     if code is not None and code.world_size != ring.size:
         raise ValueError(f"Argument 'code' is for world_size={code.world_size} but the group has {ring.size} ranks.")
-    job = functools.partial(_cerar_call, tensor, reduce_op, ring, code, nonfinite, stats)
+    # detach(): the same storage, so the result lands in ``tensor``, without autograd, which
+    # refuses in-place writes to a leaf that requires grad (dist.all_reduce also bypasses it).
+    job = functools.partial(_cerar_call, tensor.detach(), reduce_op, ring, code, nonfinite, stats)
     return COMM.submit(job, tensor, async_op)
 
 
@@ -146,7 +152,7 @@ def ring_all_reduce(
     ring = _ring(group)
     if ring is None:
         return None
-    job = functools.partial(_ring_call, tensor, reduce_op, ring, wire_dtype, stats)
+    job = functools.partial(_ring_call, tensor.detach(), reduce_op, ring, wire_dtype, stats)  # see all_reduce
     return COMM.submit(job, tensor, async_op)
 
 
@@ -349,17 +355,64 @@ def _record(ring: Ring, call: CommStats, stats: CommStats | None) -> None:
 
 
 def _check_tensor(tensor: Any) -> None:
+    """Refuse, before anything is queued, the tensors the ring cannot work on in place.
+
+    Without these checks they failed on the communication thread with torch's internal
+    messages (meta, sparse), or only after the whole collective ran (a self-overlapping view,
+    whose write-back needs a distinct location per element), while the peers had already
+    taken part. ``requires_grad`` is fine: the call works on ``tensor.detach()``.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"Argument 'tensor' must be a torch.Tensor, not {type(tensor).__name__}.")
     if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         raise TypeError(f"Argument 'tensor' must be float32, float64, float16 or bfloat16, not {tensor.dtype}.")
+    if tensor.layout != torch.strided or tensor.is_nested:
+        kind = "nested" if tensor.is_nested else str(tensor.layout)
+        raise TypeError(f"Argument 'tensor' must be a dense (torch.strided) tensor, not {kind}.")
+    if tensor.is_meta:
+        raise ValueError("Argument 'tensor' must hold data, not be on the meta device.")
+    if _overlaps_itself(tensor):
+        raise ValueError(
+            f"Argument 'tensor' must not overlap itself (each element its own memory), not a view "
+            f"with shape {tuple(tensor.shape)} and strides {tensor.stride()}; pass tensor.clone()."
+        )
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` share a memory location (``expand()``, ``as_strided``).
+
+    Fast and exact for every view that slicing, transposing or permuting makes: sorted by
+    stride, each dimension must step over everything the smaller ones reach. Only
+    hand-made ``as_strided`` layouts that fail that test pay for listing their offsets.
+    """
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1)
+    reach = 0  # the largest offset reached by the dimensions seen so far
+    for stride, size in dims:
+        if stride <= reach:
+            break
+        reach += stride * (size - 1)
+    else:
+        return False
+    span = 1 + sum(stride * (size - 1) for stride, size in dims)
+    if dims[0][0] == 0 or tensor.numel() > span:
+        return True  # a broadcast dimension, or more elements than locations
+    offsets = torch.zeros(1, dtype=torch.int64)
+    for stride, size in dims:
+        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+    return int(torch.unique(offsets).numel()) < tensor.numel()
 
 
 def _check_op(op: Any) -> str:
-    if op in ("sum", dist.ReduceOp.SUM):
-        return "sum"
-    if op in ("avg", dist.ReduceOp.AVG):
-        return "avg"
+    """``"sum"``/``"avg"`` or ``dist.ReduceOp.SUM``/``AVG``, compared by type first: a
+    ``RedOpType`` equals its int value (``ReduceOp.SUM == 0``), and ``False == 0`` too."""
+    if isinstance(op, str) and op in ("sum", "avg"):
+        return op
+    if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        # ReduceOp(RedOpType) == RedOpType holds, the reverse comparison does not: op on the left.
+        if op == dist.ReduceOp.SUM:
+            return "sum"
+        if op == dist.ReduceOp.AVG:
+            return "avg"
     raise ValueError(f"Argument 'op' must be 'sum' or 'avg' (or ReduceOp.SUM/AVG), not {op!r}.")
 
 

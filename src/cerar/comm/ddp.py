@@ -2,15 +2,21 @@
 
 Register one on a :class:`torch.nn.parallel.DistributedDataParallel` model::
 
-    >>> state = cerar.comm.ddp.CerarState(code=cerar.coding.codes.perturbed(4, 8), resync_every=100)
-    >>> ddp_model.register_comm_hook(state, cerar.comm.ddp.cerar_hook)
+    >>> state = cerar.ddp.CerarState(code=cerar.codes.perturbed(4, 8), resync_every=100)
+    >>> ddp_model.register_comm_hook(state, cerar.ddp.cerar_hook)  # or cerar.ddp.get_hook("cerar")
     >>> state.attach(ddp_model, optimizer)  # optional: automatic re-synchronisation
+
+The state may be built before ``init_process_group`` (as ``PowerSGDState``; Lightning's
+``DDPStrategy(ddp_comm_state=CerarState(), ...)`` does so): what needs the group is resolved at
+the first bucket, which every rank reaches at the same point.
 
 :func:`cerar_hook` hands every gradient bucket to :func:`cerar.all_reduce` with ``async_op=True``
 and returns at once: the collective's single communication thread runs the buckets in the
 order DDP launches them, which is the same on every rank, while the autograd thread carries on
 with the rest of backward. DDP waits for the bucket futures only when backward's computation
-is done, so communication overlaps computation as with DDP's own all-reduce.
+is done, so communication overlaps computation as with DDP's own all-reduce. A sparse gradient
+(``nn.Embedding(..., sparse=True)``), which DDP hands over alone in its bucket, is averaged by
+``torch.distributed.all_reduce`` exactly as DDP's default does.
 
 Results are **not bitwise identical across ranks**. CERAR's ranks decode slightly different
 approximations of the sum (within the code's error bound, see :attr:`cerar.Code.error_bound`),
@@ -26,25 +32,28 @@ same point-to-point ops, ``2(N-1)/N`` values sent per value instead of CERAR's `
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the hooks'
 # annotations and accepts only the real ``dist.GradBucket`` / ``Future[Tensor]`` objects.
 import logging
-import time
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from cerar._checks import check_choice, check_float, check_int
+from cerar._checks import check_choice
 from cerar.coding.code import Code
+from cerar.comm.ddp_checkpoint import STATE_DICT_FORMAT, check_every, check_tol, from_state_dict, to_state_dict
 from cerar.comm.policies import NONFINITE_POLICIES
-from cerar.comm.replicas import SKETCH_SIZE, replica_divergence, resync
+from cerar.comm.replicas import SKETCH_SIZE, ReplicaSync, replica_divergence, resync
 from cerar.comm.stats import CommStats
 
 __all__ = [
+    "HOOKS",
     "NONFINITE_POLICIES",
     "SKETCH_SIZE",
+    "STATE_DICT_FORMAT",
     "CerarState",
     "cerar_hook",
+    "get_hook",
     "replica_divergence",
     "resync",
     "ring_hook",
@@ -53,27 +62,31 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class CerarState:
+class CerarState(ReplicaSync):
     r"""Settings, per-bucket buffers and statistics of :func:`cerar_hook` / :func:`ring_hook`.
 
-    Build one per DDP model on every rank of ``process_group``, at the same point of the
-    program (the constructor creates a dedicated process group, a collective call), and
-    register it with ``ddp_model.register_comm_hook(state, cerar_hook)``.
+    Build one per DDP model, before or after ``init_process_group``, and register it with
+    ``ddp_model.register_comm_hook(state, cerar_hook)``. Only the settings are checked when it is
+    built; the group's size, the default code for it, the check that ``code`` fits the group and
+    the hook's own process group are resolved at the first bucket, a point every rank of the
+    group reaches together (so a code for the wrong number of ranks raises there, in backward).
 
     The dedicated group (``dist.new_group`` over the same ranks) carries only the hook's ring
     traffic, so its point-to-point messages can never interleave with DDP's own collectives on
-    ``process_group`` (the initial broadcast, bucket rebuilds, :func:`replica_divergence`).
+    ``process_group`` (the initial broadcast, bucket rebuilds, :func:`replica_divergence`). For
+    a group smaller than the world it is created by its members only
+    (``use_local_synchronization``), since the other ranks never run the hook.
 
     Args:
         process_group: the group DDP averages over (``None``: the default group).
         code: the :class:`cerar.Code`; its ``world_size`` must equal the group's size. ``None``
-            uses :func:`cerar.comm.collective.default_code` for the group's size. Ignored by
-            :func:`ring_hook`.
+            uses :func:`cerar.comm.collective.default_code` for the group's size (resolved at
+            the first bucket). Ignored by :func:`ring_hook`.
         nonfinite: what a bucket holding NaN or Inf on some rank does. ``"exact"`` (default):
             that bucket goes through the exact ring instead (CERAR's mixing would spread one NaN
             across the ``c`` components of its column on every rank; the ring keeps it where it
-            was, as DDP's default would) and ``stats.fallbacks`` counts it. ``"raise"``: backward raises
-            :class:`cerar.comm.collective.NonFiniteError` on every rank. ``"ignore"``: no check.
+            was, as DDP's default would) and ``stats.fallbacks`` counts it. ``"raise"``: backward
+            raises :class:`cerar.comm.collective.NonFiniteError` on every rank. ``"ignore"``: no check.
         resync_every: re-synchronise the replicas every this many optimizer steps (``None``:
             never on a schedule). Each re-sync broadcasts all parameters from the group's rank 0:
             ``4 x parameters`` bytes leave rank 0, about the time of one exact all-reduce.
@@ -81,33 +94,37 @@ class CerarState:
             (``None``: never measured by the state). The check runs after every optimizer step
             and costs one pass over the parameters and an all-gather of ``SKETCH_SIZE + 1``
             float64 values per rank (8 KiB), negligible next to a gradient all-reduce.
+        on_step: ``on_step(state, stats)``, called with the step's :class:`CommStats` when the
+            last bucket of a backward pass completes. It runs on the communication thread, so
+            keep it short; an exception in it fails that backward.
 
     Re-synchronisation needs the model, so it happens in :meth:`maybe_resync` (call it after
     ``optimizer.step()``) or automatically once :meth:`attach` has registered it as an optimizer
     step hook.
 
-    Attributes (settings):
-        process_group, code, nonfinite, resync_every, divergence_tol: as given (``code``
-        resolved to the concrete default).
-        world_size: the group's size.
+    Attributes (settings): ``process_group``, ``code``, ``nonfinite``, ``resync_every``,
+    ``divergence_tol``, ``on_step`` as given (``code`` resolved to the concrete default at the
+    first bucket by :func:`cerar_hook`); ``world_size``: the group's size (``None`` until then).
 
-    Attributes (internal buffers, keyed by bucket index):
-        bucket_numel: the last size seen for each bucket; a change (DDP rebuilds its buckets
-            after the first iteration) resets that bucket's statistics.
-        bucket_stats: a :class:`cerar.comm.stats.CommStats` per bucket.
+    Attributes (internal buffers, keyed by bucket index): ``bucket_numel``, the last size seen
+    for each bucket (a change, as when DDP rebuilds its buckets after the first iteration,
+    resets that bucket's statistics); ``bucket_stats``, a :class:`CommStats` per bucket.
 
-    Attributes (statistics):
+    Attributes (statistics of this rank):
         stats: totals over all buckets (measured bytes, rounds, encode/decode seconds, wall
             seconds inside the collective, fallbacks, non-finite events).
+        last_step: the :class:`CommStats` of the latest completed backward pass (``None`` before).
         iteration: backward passes seen (counted at each step's last bucket).
+        sparse_buckets: sparse gradient buckets averaged by ``torch.distributed.all_reduce``.
         steps: optimizer steps seen by :meth:`maybe_resync`.
-        resyncs: re-synchronisations done.
-        resync_s: seconds spent in them (broadcasts included).
-        last_divergence: the latest divergence measured by the state (``None`` if never).
-        max_divergence: the largest one measured.
+        resyncs, resync_s: re-synchronisations done and seconds spent in them.
+        last_divergence, max_divergence: the latest and the largest divergence measured by the
+            state (``None`` if never).
 
-    The state pickles without its process groups (for checkpoints), like
-    ``PowerSGDState``: unpickling sets ``process_group`` to the default group and creates the
+    Checkpoints: :meth:`state_dict` holds plain values only (it loads with
+    ``torch.load(..., weights_only=True)``) and this rank's statistics: each rank saves and
+    loads its own. The state also pickles, like ``PowerSGDState``, without its process groups
+    and ``on_step``: unpickling sets ``process_group`` to the default group and creates the
     dedicated group on the first bucket, on every rank.
 
     The attributes are ``__slots__``, as ``PowerSGDState``'s: a misspelt setting
@@ -116,23 +133,33 @@ class CerarState:
 
     __slots__ = (
         "_comm_group",
+        "_lock",
+        "_open_buckets",
+        "_step",
+        "_step_closing",
         "bucket_numel",
         "bucket_stats",
         "code",
         "divergence_tol",
         "iteration",
         "last_divergence",
+        "last_step",
         "max_divergence",
         "nonfinite",
+        "on_step",
         "process_group",
         "resync_every",
         "resync_s",
         "resyncs",
+        "sparse_buckets",
         "stats",
         "steps",
         "world_size",
     )
-    _NOT_PICKLED = ("process_group", "_comm_group")
+    # Process groups and the lock cannot be pickled, ``on_step`` may not be, a step in flight is
+    # nothing to restore, and the group's size is resolved again with the group.
+    _NOT_PICKLED = ("process_group", "_comm_group", "_lock", "_open_buckets", "_step", "_step_closing", "on_step")
+    _RESOLVED_AGAIN = ("world_size",)
 
     def __init__(
         self,
@@ -142,122 +169,101 @@ class CerarState:
         nonfinite: str = "exact",
         resync_every: int | None = None,
         divergence_tol: float | None = None,
+        on_step: Callable[["CerarState", CommStats], None] | None = None,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("CerarState needs torch.distributed initialised; call init_process_group first.")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"Argument 'process_group' must be a ProcessGroup or None, not {type(process_group).__name__}."
             )
-        world_size = dist.get_world_size(process_group)
-        if code is None:
-            from cerar.comm.collective import default_code
-
-            code = default_code(world_size)
-        elif not isinstance(code, Code):
+        if code is not None and not isinstance(code, Code):
             raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(code).__name__}.")
-        if code.world_size != world_size:
-            raise ValueError(
-                f"Argument 'code' must be for the group's {world_size} ranks, not world_size={code.world_size}."
-            )
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"Argument 'on_step' must be a callable or None, not {type(on_step).__name__}.")
         # Settings.
         self.process_group: dist.ProcessGroup | None = process_group
-        self.code: Code = code
-        self.world_size: int = world_size
+        self.code: Code | None = code
+        self.world_size: int | None = None  # resolved at the first bucket
         self.nonfinite: str = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        self.resync_every: int | None = (
-            None if resync_every is None else check_int("resync_every", resync_every, minimum=1)
-        )
-        self.divergence_tol: float | None = (
-            None if divergence_tol is None else check_float("divergence_tol", divergence_tol, positive=True)
-        )
+        self.resync_every: int | None = check_every("resync_every", resync_every)
+        self.divergence_tol: float | None = check_tol("divergence_tol", divergence_tol)
+        self.on_step = on_step
         # Internal buffers, keyed by bucket index.
         self.bucket_numel: dict[int, int] = {}
         self.bucket_stats: dict[int, CommStats] = {}
         # Statistics.
         self.stats = CommStats()
+        self.last_step: CommStats | None = None
         self.iteration = 0
+        self.sparse_buckets = 0
         self.steps = 0
         self.resyncs = 0
         self.resync_s = 0.0
         self.last_divergence: float | None = None
         self.max_divergence: float | None = None
-        # The ring's own group, created now while every rank is at the same point of the program.
-        self._comm_group: dist.ProcessGroup | None = _new_comm_group(process_group)
+        self._comm_group: dist.ProcessGroup | None = None  # created at the first bucket
+        self._new_step()
 
     # ----------------------------------------------------------------------------------------
-    # Pickling (checkpoints)
+    # Checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Settings and this rank's statistics, as plain values: ``torch.save`` it per rank, it
+        loads with ``weights_only=True``. ``code`` is :meth:`cerar.Code.to_dict` (``None`` before
+        the default is resolved); ``rank``, ``world_size``: the saving rank's (``None`` without a
+        group). See :mod:`cerar.comm.ddp_checkpoint`."""
+        with self._lock:
+            return to_state_dict(self, _rank(self.process_group), self.world_size or _size(self.process_group))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved, on the rank that saved it.
+
+        The saved code must equal this state's (a state without a code adopts it); the saved
+        ``rank`` and ``world_size`` must be this process's where both are known; the settings
+        are taken from ``state_dict``. Errors name the bad key, and leave the state unchanged.
+        """
+        size = self.world_size or _size(self.process_group)
+        values = from_state_dict(state_dict, self.code, _rank(self.process_group), size)
+        with self._lock:
+            for name, value in values.items():
+                setattr(self, name, value)
+
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the process groups, which cannot be pickled."""
+        """Everything but the process groups, ``on_step`` and a step in flight."""
         logger.warning("NOTE: process groups are not serialisable and are left out of the saved CerarState.")
-        return {k: getattr(self, k) for k in self.__slots__ if k not in self._NOT_PICKLED}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in self._NOT_PICKLED + self._RESOLVED_AGAIN}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore settings and statistics; the process group becomes the default group."""
         for key, value in state.items():
             setattr(self, key, value)
         self.process_group = None
+        self.world_size = None
+        self.on_step = None
         self._comm_group = None  # created on the first bucket (every rank runs it at the same point)
+        self._new_step()
         logger.warning(
             "NOTE: CerarState's process group is set to the default group; set "
             "`state.process_group` (before the first bucket) if another group is desired."
         )
 
     # ----------------------------------------------------------------------------------------
-    # Re-synchronisation
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Call :meth:`maybe_resync` after every ``optimizer.step()`` (an optimizer post-step hook).
-
-        The hook passes ``optimizer`` on, so each re-synchronisation broadcasts its state too
-        (e.g. AdamW's moments). Without ``optimizer``, nothing is registered: call
-        :meth:`maybe_resync` yourself.
-        """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"Argument 'model' must be a torch.nn.Module, not {type(model).__name__}.")
-        if optimizer is None:
-            return
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Argument 'optimizer' must be a torch.optim.Optimizer, not {type(optimizer).__name__}.")
-
-        def resync_after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.maybe_resync(model, opt)
-
-        optimizer.register_step_post_hook(resync_after_step)
-
-    def maybe_resync(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
-        """Count one optimizer step and re-synchronise if one is due. Returns True if it did.
-
-        Call on every rank after ``optimizer.step()``. The decision is the same on every rank:
-        the schedule depends only on the step count and the divergence is computed from the same
-        gathered values everywhere. With ``optimizer``, its state tensors (e.g. AdamW's moments,
-        which also differ slightly between ranks) are broadcast too, at 2x the parameters' cost
-        for AdamW.
-        """
-        self.steps += 1
-        due = self.resync_every is not None and self.steps % self.resync_every == 0
-        if not due and self.divergence_tol is not None:
-            divergence = self.record_divergence(model)
-            due = divergence > self.divergence_tol
-        if not due:
-            return False
-        started = time.perf_counter()
-        resync(model, self.process_group, optimizer=optimizer)
-        self.resync_s += time.perf_counter() - started
-        self.resyncs += 1
-        return True
-
-    def record_divergence(self, model: nn.Module) -> float:
-        """Measure :func:`replica_divergence` on the state's group and keep it in the statistics."""
-        divergence = replica_divergence(model, self.process_group)
-        self.last_divergence = divergence
-        self.max_divergence = divergence if self.max_divergence is None else max(self.max_divergence, divergence)
-        return divergence
-
-    # ----------------------------------------------------------------------------------------
     # Used by the hooks
-    def _group(self) -> dist.ProcessGroup:
+    def _resolve(self, coded: bool) -> dist.ProcessGroup:
+        """The hook's group, created (and the code checked or defaulted) at the first bucket."""
         if self._comm_group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("CerarState needs torch.distributed initialised; call init_process_group first.")
+            world_size = dist.get_world_size(self.process_group)
+            if self.code is not None and self.code.world_size != world_size:
+                raise ValueError(
+                    f"Argument 'code' of CerarState must be for the group's {world_size} ranks, "
+                    f"not world_size={self.code.world_size}."
+                )
+            self.world_size = world_size
             self._comm_group = _new_comm_group(self.process_group)
+        if coded and self.code is None:
+            from cerar.comm.collective import default_code
+
+            self.code = default_code(dist.get_world_size(self.process_group))
         return self._comm_group
 
     def _note_bucket(self, index: int, numel: int) -> CommStats:
@@ -267,6 +273,36 @@ class CerarState:
             self.bucket_numel[index] = numel
             self.bucket_stats[index] = CommStats()
         return self.bucket_stats[index]
+
+    def _new_step(self) -> None:
+        # Buckets complete on the communication thread, sparse ones on Gloo's: hence the lock.
+        self._lock = threading.Lock()
+        self._open_buckets = 0
+        self._step_closing = False
+        self._step = CommStats()
+
+    def _bucket_started(self, last: bool) -> None:
+        with self._lock:
+            self._open_buckets += 1
+            self._step_closing = self._step_closing or last
+            if last:
+                self.iteration += 1
+
+    def _bucket_done(self, call: CommStats | None, bucket_stats: CommStats | None) -> None:
+        """Count a finished bucket in; the step is over once its last bucket has started and
+        every started bucket has finished (a sparse one may finish after a later dense one)."""
+        with self._lock:
+            if call is not None and bucket_stats is not None:
+                self.stats.add(call)
+                bucket_stats.add(call)
+                self._step.add(call)
+            self._open_buckets -= 1
+            if not (self._step_closing and self._open_buckets == 0):
+                return
+            record, self._step, self._step_closing = self._step, CommStats(), False
+            self.last_step = record
+        if self.on_step is not None:
+            self.on_step(self, record)
 
     def __repr__(self) -> str:
         return (
@@ -280,7 +316,8 @@ def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     Returns at once with a future that completes with the averaged bucket (decoded by this rank,
     within the code's error bound of the exact mean). A bucket with NaN/Inf on some rank goes
-    through the exact ring under ``nonfinite="exact"`` (the default) instead of failing.
+    through the exact ring under ``nonfinite="exact"`` (the default) instead of failing; a sparse
+    bucket is averaged by ``torch.distributed.all_reduce``, as DDP's default does.
     """
     from cerar.comm.collective import all_reduce
 
@@ -290,6 +327,7 @@ def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futu
         lambda buffer, group, call: all_reduce(
             buffer, "avg", group, True, code=state.code, nonfinite=state.nonfinite, stats=call
         ),
+        coded=True,
     )
 
 
@@ -306,32 +344,79 @@ def ring_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futur
         state,
         bucket,
         lambda buffer, group, call: ring_all_reduce(buffer, "avg", group, True, stats=call),
+        coded=False,
     )
 
 
-def _launch(state: CerarState, bucket: dist.GradBucket, start: Any) -> torch.futures.Future[torch.Tensor]:
-    """Submit one bucket to the communication thread and chain the bookkeeping after it."""
+#: The hooks by name, for configs and command lines that name the method.
+HOOKS: dict[str, Callable[[CerarState, dist.GradBucket], torch.futures.Future[torch.Tensor]]] = {
+    "cerar": cerar_hook,
+    "ring": ring_hook,
+}
+
+
+def get_hook(name: str) -> Callable[[CerarState, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """The hook :data:`HOOKS` holds under ``name`` (``"cerar"`` or ``"ring"``)."""
+    return HOOKS[check_choice("name", name, tuple(HOOKS))]
+
+
+def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool) -> torch.futures.Future[torch.Tensor]:
+    """Submit one bucket (a sparse one to torch's all-reduce) and chain the bookkeeping after it."""
     if not isinstance(state, CerarState):
-        raise TypeError(f"Argument 'state' must be a CerarState, not {type(state).__name__}.")
+        raise TypeError(
+            f"Argument 'state' of the cerar DDP hook must be a cerar.ddp.CerarState, not {type(state).__name__}: "
+            "register it with ddp_model.register_comm_hook(CerarState(...), hook)."
+        )
+    group = state._resolve(coded)
     buffer = bucket.buffer()
-    index = bucket.index()
-    bucket_stats = state._note_bucket(index, buffer.numel())
-    call = CommStats()
-    if bucket.is_last():
-        state.iteration += 1
-    work = start(buffer, state._group(), call)
+    call, bucket_stats = CommStats(), None
+    state._bucket_started(bucket.is_last())
+    try:
+        if buffer.layout != torch.strided:
+            state.sparse_buckets += 1
+            future = _sparse_average(state.process_group, buffer)
+        else:
+            bucket_stats = state._note_bucket(bucket.index(), buffer.numel())
+            future = start(buffer, group, call).get_future()
+    except BaseException:
+        state._bucket_done(None, None)
+        raise
 
     def record_stats(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        # Runs on the communication thread once the bucket is averaged; value() re-raises a
-        # failure (e.g. NonFiniteError under nonfinite="raise"), which DDP then raises in backward.
-        averaged = fut.value()[0]
-        state.stats.add(call)
-        bucket_stats.add(call)
-        return averaged
+        # Runs once the bucket is averaged; value() re-raises a failure (e.g. NonFiniteError
+        # under nonfinite="raise"), which DDP then raises in backward.
+        try:
+            return fut.value()[0]
+        finally:
+            state._bucket_done(call, bucket_stats)
 
-    return work.get_future().then(record_stats)
+    return future.then(record_stats)
+
+
+def _sparse_average(
+    process_group: dist.ProcessGroup | None, buffer: torch.Tensor
+) -> torch.futures.Future[list[torch.Tensor]]:
+    """DDP's default for a sparse gradient (``default_hooks.allreduce_hook``): divide, then sum
+    with ``torch.distributed.all_reduce`` on DDP's own group. The ring works on dense values only;
+    and DDP's own collectives on that group are issued from the same (autograd) thread, so the
+    order of calls on it is the same on every rank."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer.div_(dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
 
 def _new_comm_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    ranks: Iterable[int] = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-    return dist.new_group(ranks=sorted(ranks))
+    ranks = sorted(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=ranks)
+    # Only the members run the hook: they alone create the group (its name hashes the ranks
+    # and the number of groups each member knows, equal on members that made the same groups).
+    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+
+
+def _rank(process_group: dist.ProcessGroup | None) -> int | None:
+    return dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else None
+
+
+def _size(process_group: dist.ProcessGroup | None) -> int | None:
+    return dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else None

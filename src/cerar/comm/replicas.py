@@ -2,19 +2,22 @@
 (:func:`replica_divergence`) and how to make them equal again (:func:`resync`).
 
 CERAR's ranks decode slightly different approximations of the gradient sum, so replicas that
-start equal drift apart slowly; :class:`cerar.comm.ddp.CerarState` uses these two to measure
+start equal drift apart slowly; :class:`ReplicaSync`, the part of
+:class:`cerar.comm.ddp.CerarState` that holds the model-side schedule, uses these two to measure
 the drift and re-synchronise on a schedule or a threshold. Both are collectives on ``group``.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["SKETCH_SIZE", "replica_divergence", "resync"]
+__all__ = ["SKETCH_SIZE", "ReplicaSync", "replica_divergence", "resync"]
 
 SKETCH_SIZE = 1024  # CountSketch buckets: the norm estimate's relative spread is about sqrt(2/k)
 _SKETCH_SEED = 0x5EED
@@ -77,6 +80,73 @@ def resync(
         for tensor in same:
             tensor.detach().copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
+
+
+class ReplicaSync:
+    """Re-synchronisation on a schedule or a divergence threshold: the part of
+    :class:`cerar.comm.ddp.CerarState` that needs the model (a mixin, without slots of its own).
+
+    It reads ``process_group``, ``resync_every`` and ``divergence_tol``, and keeps ``steps``,
+    ``resyncs``, ``resync_s``, ``last_divergence`` and ``max_divergence``.
+    """
+
+    __slots__ = ()
+    process_group: dist.ProcessGroup | None
+    resync_every: int | None
+    divergence_tol: float | None
+    steps: int
+    resyncs: int
+    resync_s: float
+    last_divergence: float | None
+    max_divergence: float | None
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Call :meth:`maybe_resync` after every ``optimizer.step()`` (an optimizer post-step hook).
+
+        The hook passes ``optimizer`` on, so each re-synchronisation broadcasts its state too
+        (e.g. AdamW's moments). Without ``optimizer``, nothing is registered: call
+        :meth:`maybe_resync` yourself.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Argument 'model' must be a torch.nn.Module, not {type(model).__name__}.")
+        if optimizer is None:
+            return
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Argument 'optimizer' must be a torch.optim.Optimizer, not {type(optimizer).__name__}.")
+
+        def resync_after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.maybe_resync(model, opt)
+
+        optimizer.register_step_post_hook(resync_after_step)
+
+    def maybe_resync(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Count one optimizer step and re-synchronise if one is due. Returns True if it did.
+
+        Call on every rank after ``optimizer.step()``. The decision is the same on every rank:
+        the schedule depends only on the step count and the divergence is computed from the same
+        gathered values everywhere. With ``optimizer``, its state tensors (e.g. AdamW's moments,
+        which also differ slightly between ranks) are broadcast too, at 2x the parameters' cost
+        for AdamW.
+        """
+        self.steps += 1
+        due = self.resync_every is not None and self.steps % self.resync_every == 0
+        if not due and self.divergence_tol is not None:
+            divergence = self.record_divergence(model)
+            due = divergence > self.divergence_tol
+        if not due:
+            return False
+        started = time.perf_counter()
+        resync(model, self.process_group, optimizer=optimizer)
+        self.resync_s += time.perf_counter() - started
+        self.resyncs += 1
+        return True
+
+    def record_divergence(self, model: nn.Module) -> float:
+        """Measure :func:`replica_divergence` on the state's group and keep it in the statistics."""
+        divergence = replica_divergence(model, self.process_group)
+        self.last_divergence = divergence
+        self.max_divergence = divergence if self.max_divergence is None else max(self.max_divergence, divergence)
+        return divergence
 
 
 def _parameters(model: nn.Module) -> list[torch.Tensor]:

@@ -7,6 +7,20 @@ neighbours' in the same order). The thread is started on the first call and stop
 a process that exits while a call is on the wire would otherwise tear down Gloo under a thread
 still inside it, and the C++ runtime aborts the process ("terminate called without an active
 exception", SIGABRT) after all its Python work is done.
+
+Threads. The ranks' calls pair up by their order, so every rank must issue them in the same
+order, and calls made from several Python threads at once have no order across ranks (rank
+0's thread A would pair with rank 1's thread B). The rule: **a process's cerar calls come
+from one thread at a time** (any thread: DDP's hooks run on the thread that calls
+``backward()``, other autograd threads on accelerators), and another thread may take over
+once every call of the previous one has completed (a sync call returned, an async one's
+handle completed). :meth:`CommThread.submit` enforces it where it can see it: a call from a
+thread while another thread's calls are still in flight raises ``RuntimeError`` at once,
+before anything is queued; a blocking call from the communication thread itself (a
+callback), which would wait on itself forever, raises too. The rule is per process, not per
+process group: one thread runs the calls of every group, so two threads on two groups can
+queue them in opposite orders on two ranks and deadlock. The detector sees only this rank:
+calls that raced may have paired wrongly on another rank before one of them raised here.
 """
 
 from __future__ import annotations
@@ -72,8 +86,9 @@ class _Worker:
     gave up on (stuck in a call) must never pick up the calls of the thread that replaces it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, finished: Callable[[Future[torch.Tensor]], None]) -> None:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.finished = finished  # told before each future completes (see _Callers)
         self.thread = threading.Thread(target=self._loop, name="cerar-comm", daemon=True)
         self.thread.start()
 
@@ -85,12 +100,15 @@ class _Worker:
                 return
             job, future, tensor = item
             if not future.set_running_or_notify_cancel():
+                self.finished(future)
                 continue
             try:
                 job()
             except BaseException as exc:  # surfaced to the caller through the future
+                self.finished(future)
                 future.set_exception(exc)
             else:
+                self.finished(future)
                 future.set_result(tensor)
 
     def fail_queued(self) -> int:
@@ -102,10 +120,49 @@ class _Worker:
             except queue.Empty:
                 return failed
             if item is not None and item[1].set_running_or_notify_cancel():
+                self.finished(item[1])
                 item[1].set_exception(
                     ShutdownError("cerar.shutdown: the call was still queued behind a stuck call and never ran.")
                 )
                 failed += 1
+
+
+class _Callers:
+    """The thread whose calls are in flight: refuses a second thread meanwhile (see the module
+    docstring).
+
+    A call leaves the count just *before* its future completes (the communication thread calls
+    :meth:`leave` first), so a thread that saw ``wait()`` return can hand over at once; a
+    done-callback would run only after the waiter woke up. Its own lock, because ``leave`` runs
+    on the communication thread while :meth:`CommThread.shutdown` may hold the other one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._in_flight: set[Future[torch.Tensor]] = set()
+
+    def enter(self, future: Future[torch.Tensor]) -> None:
+        """Count ``future`` as the calling thread's, or raise if another thread's are in flight."""
+        me = threading.current_thread()
+        with self._lock:
+            owner = self._thread
+            if self._in_flight and owner is not None and owner is not me:
+                raise RuntimeError(
+                    f"cerar: thread {me.name!r} made a call while {len(self._in_flight)} call(s) of thread "
+                    f"{owner.name!r} are in flight. Calls from several threads at once pair up in no "
+                    f"defined order across ranks, so a process's cerar calls must come from one thread "
+                    f"at a time: wait for the other thread's calls (CerarWork.wait()) first."
+                )
+            self._thread = me
+            self._in_flight.add(future)
+
+    def leave(self, future: Future[torch.Tensor]) -> None:
+        """``future`` is about to complete (idempotent)."""
+        with self._lock:
+            self._in_flight.discard(future)
+            if not self._in_flight:
+                self._thread = None
 
 
 class CommThread:
@@ -118,23 +175,38 @@ class CommThread:
         # threads never run calls at the same time.
         self._lock = threading.Lock()
         self._atexit_registered = False
+        self._callers = _Callers()
 
     def submit(self, job: Callable[[], None], tensor: torch.Tensor, async_op: bool) -> CerarWork | None:
         """Queue ``job`` (which works on ``tensor`` in place); wait for it unless ``async_op``."""
         future: Future[torch.Tensor] = Future()
+        worker = self._worker
+        if not async_op and worker is not None and worker.thread is threading.current_thread():
+            raise RuntimeError(
+                "cerar: a blocking call (async_op=False) cannot be made from the communication thread "
+                "(a CerarWork callback): it would wait for itself. Pass async_op=True."
+            )
+        self._callers.enter(future)
+        try:
+            self._queue(job, future, tensor)
+        except BaseException:
+            self._callers.leave(future)
+            raise
+        if async_op:
+            return CerarWork(future)
+        future.result()
+        return None
+
+    def _queue(self, job: Callable[[], None], future: Future[torch.Tensor], tensor: torch.Tensor) -> None:
         with self._lock:
             if self._worker is None or not self._worker.thread.is_alive():
-                self._worker = _Worker()
+                self._worker = _Worker(self._callers.leave)
                 if not self._atexit_registered:
                     # Registered at the first call, so it runs before the exit handlers of
                     # whatever the program set up before (atexit runs them last-in first-out).
                     atexit.register(self.shutdown)
                     self._atexit_registered = True
             self._worker.jobs.put((job, future, tensor))
-        if async_op:
-            return CerarWork(future)
-        future.result()
-        return None
 
     def shutdown(self, timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
         """Stop the thread after the calls already submitted; see ``cerar.shutdown``.
@@ -163,6 +235,7 @@ class CommThread:
         # inherited the lock held: start from scratch.
         self._worker = None
         self._lock = threading.Lock()
+        self._callers = _Callers()
 
 
 COMM = CommThread()

@@ -1,0 +1,151 @@
+"""Checkpoints of :class:`cerar.comm.ddp.CerarState`: its ``state_dict`` as plain values, and the
+checks of one being loaded.
+
+A ``state_dict`` holds only ``None``, bools, ints, floats, strings and dicts of them, so that
+``torch.save(state.state_dict(), f)`` loads with ``torch.load(f, weights_only=True)`` (no pickled
+classes to trust). It is one rank's: the statistics are what that rank measured, so each rank
+saves and loads its own, and the saving rank's ``rank`` and ``world_size`` are kept to check it.
+Kept apart from :mod:`cerar.comm.ddp` so that the hooks read without the bookkeeping; no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from cerar._checks import check_choice, check_float, check_int
+from cerar.coding.code import Code
+from cerar.comm.policies import NONFINITE_POLICIES
+from cerar.comm.stats import CommStats
+
+__all__ = ["KEYS", "STATE_DICT_FORMAT", "check_every", "check_tol", "from_state_dict", "to_state_dict"]
+
+#: The ``"format"`` entry of a ``CerarState.state_dict()``.
+STATE_DICT_FORMAT = "cerar.comm.ddp.CerarState/1"
+#: Statistics saved as they are: counts, seconds, divergences (``None`` if never measured).
+COUNTERS = ("iteration", "steps", "resyncs", "sparse_buckets")
+SECONDS = ("resync_s",)
+DIVERGENCES = ("last_divergence", "max_divergence")
+#: Every key of a state_dict.
+KEYS = (
+    "format",
+    "code",
+    "nonfinite",
+    "resync_every",
+    "divergence_tol",
+    "rank",
+    "world_size",
+    "stats",
+    "last_step",
+    "bucket_numel",
+    "bucket_stats",
+    *COUNTERS,
+    *SECONDS,
+    *DIVERGENCES,
+)
+
+
+def check_every(name: str, value: Any) -> int | None:
+    """``resync_every``: None or an integer of at least 1."""
+    return None if value is None else check_int(name, value, minimum=1)
+
+
+def check_tol(name: str, value: Any) -> float | None:
+    """``divergence_tol``: None or a positive float."""
+    return None if value is None else check_float(name, value, positive=True)
+
+
+def to_state_dict(state: Any, rank: int | None, world_size: int | None) -> dict[str, Any]:
+    """The plain-valued ``state_dict`` of a CerarState (read, not changed), saved by ``rank``."""
+    out: dict[str, Any] = {
+        "format": STATE_DICT_FORMAT,
+        "code": None if state.code is None else json.loads(state.code.to_json()),
+        "nonfinite": state.nonfinite,
+        "resync_every": state.resync_every,
+        "divergence_tol": state.divergence_tol,
+        "rank": rank,
+        "world_size": world_size,
+        "stats": state.stats.as_dict(),
+        "last_step": None if state.last_step is None else state.last_step.as_dict(),
+        "bucket_numel": dict(state.bucket_numel),
+        "bucket_stats": {index: s.as_dict() for index, s in state.bucket_stats.items()},
+    }
+    out.update({name: getattr(state, name) for name in COUNTERS + SECONDS + DIVERGENCES})
+    return out
+
+
+def from_state_dict(state_dict: Any, code: Code | None, rank: int | None, world_size: int | None) -> dict[str, Any]:
+    """The attribute values ``state_dict`` gives a CerarState holding ``code`` on ``rank`` of
+    ``world_size`` (each None where unknown), checked key by key: errors name the key."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"Argument 'state_dict' must be a mapping from CerarState.state_dict(), not {type(state_dict).__name__}."
+        )
+    if state_dict.get("format") != STATE_DICT_FORMAT:
+        raise ValueError(
+            f"Key 'format' of the state_dict must be {STATE_DICT_FORMAT!r}, not {state_dict.get('format')!r}."
+        )
+    missing = [k for k in KEYS if k not in state_dict]
+    unexpected = sorted((k for k in state_dict if k not in KEYS), key=repr)
+    if missing or unexpected:
+        raise KeyError(f"CerarState.load_state_dict: missing keys {missing}, unexpected keys {unexpected}.")
+    for key, here in (("rank", rank), ("world_size", world_size)):
+        saved = state_dict[key]
+        if saved is not None and here is not None and saved != here:
+            raise ValueError(
+                f"Key {key!r} of the state_dict is {saved!r} but this process has {key} {here}: "
+                "each rank saves and loads its own CerarState.state_dict()."
+            )
+    parsers: dict[str, Callable[[Any], Any]] = {
+        "code": lambda v: _loaded_code(v, code),
+        "nonfinite": lambda v: check_choice("nonfinite", v, NONFINITE_POLICIES),
+        "resync_every": lambda v: check_every("resync_every", v),
+        "divergence_tol": lambda v: check_tol("divergence_tol", v),
+        "stats": _comm_stats,
+        "last_step": lambda v: None if v is None else _comm_stats(v),
+        "bucket_numel": lambda v: {check_int("index", i): check_int("numel", n) for i, n in v.items()},
+        "bucket_stats": lambda v: {check_int("index", i): _comm_stats(s) for i, s in v.items()},
+    }
+    for name in COUNTERS:
+        parsers[name] = lambda v, name=name: check_int(name, v, minimum=0)
+    for name in SECONDS:
+        parsers[name] = lambda v, name=name: check_float(name, v, nonnegative=True)
+    for name in DIVERGENCES:  # inf is a divergence (a rank-0 replica of norm 0)
+        parsers[name] = lambda v, name=name: None if v is None else _real(name, v)
+    return {key: _keyed(key, parse, state_dict) for key, parse in parsers.items()}
+
+
+def _keyed(key: str, parse: Callable[[Any], Any], state_dict: Mapping[str, Any]) -> Any:
+    """``parse(state_dict[key])``, or a ValueError that names the key."""
+    try:
+        return parse(state_dict[key])
+    except (TypeError, ValueError, AttributeError) as exc:
+        if key == "code" and isinstance(exc, ValueError) and str(exc).startswith("Key 'code'"):
+            raise
+        raise ValueError(f"Key {key!r} of the state_dict holds a bad value {state_dict[key]!r:.200}: {exc}") from None
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Argument '{name}' must be a real number or None, not {value!r}.")
+    return float(value)
+
+
+def _comm_stats(value: Any) -> CommStats:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a CommStats.as_dict() mapping, not {type(value).__name__}")
+    return CommStats(**value)
+
+
+def _loaded_code(saved: Any, current: Code | None) -> Code | None:
+    """The saved code if it equals ``current`` (or ``current`` is None), else a ValueError."""
+    if saved is None:
+        return current
+    try:
+        loaded = Code.from_dict(saved)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"Key 'code' of the state_dict is not a code description: {exc}") from None
+    if current is not None and loaded != current:
+        raise ValueError(f"Key 'code' of the state_dict holds {loaded!r}, but this state's code is {current!r}.")
+    return loaded
