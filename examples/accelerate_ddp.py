@@ -67,7 +67,7 @@ def main() -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     loader = DataLoader(dataset(), batch_size=16, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    state = cerar.ddp.CerarState()
+    state = cerar.ddp.CerarState(min_bucket_bytes=0)  # toy buckets: below the 2 MiB default threshold
     model.register_comm_hook(state, cerar.ddp.cerar_hook)  # model is the DistributedDataParallel now
 
     losses = []

@@ -86,7 +86,9 @@ def main() -> int:
     args = parser.parse_args()
 
     pl.seed_everything(0, verbose=False)
-    state = cerar.ddp.CerarState()  # no process group needed yet: it is created on the first bucket
+    # No process group needed yet: it is created on the first bucket. min_bucket_bytes=0: the toy
+    # model's buckets are far below the 2 MiB default, which would keep them exact.
+    state = cerar.ddp.CerarState(min_bucket_bytes=0)
     strategy = CommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=cerar.ddp.cerar_hook)
     trainer = pl.Trainer(
         accelerator="cpu",

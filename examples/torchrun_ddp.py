@@ -73,7 +73,9 @@ def main() -> int:
     rank = dist.get_rank()
 
     model = DDP(ToyModel())
-    state = cerar.ddp.CerarState()  # the code defaults to cerar.codes.choose(world size)
+    # The code defaults to cerar.codes.choose(world size). min_bucket_bytes=0: this toy model's
+    # buckets are far below the 2 MiB default, which would send them to the exact all-reduce.
+    state = cerar.ddp.CerarState(min_bucket_bytes=0)
     model.register_comm_hook(state, cerar.ddp.cerar_hook)
 
     loss_fn = nn.MSELoss()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cerar.experiments.train.config import ModelConfig, TrainConfig, parse_method
+from cerar.experiments.train.config import ModelConfig, TrainConfig, parse_bucket_caps, parse_method
 from cerar.experiments.train.data import load_split, train_batch, validation_batch
 from cerar.experiments.train.loop import lr_factor
 from cerar.experiments.train.methods import HOOKS
@@ -42,6 +42,65 @@ def test_config_round_trips_through_json() -> None:
 def test_config_rejects_bad_values(kwargs: dict, kind: type[Exception], message: str) -> None:
     with pytest.raises(kind, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(**kwargs)
+
+
+def test_config_takes_a_list_of_bucket_sizes() -> None:
+    sweep = TrainConfig(bucket_cap_mb=[1, 4, 16])
+    assert sweep.bucket_cap_mb == (1.0, 4.0, 16.0) and sweep.bucket_caps == (1.0, 4.0, 16.0)
+    assert TrainConfig.from_json(sweep.to_json()) == sweep
+    runs = [sweep.at_bucket(cap) for cap in sweep.bucket_caps]
+    assert [r.bucket_cap_mb for r in runs] == [1.0, 4.0, 16.0]
+    assert [r.bucket_label for r in runs] == ["allreduce-b1-s0", "allreduce-b4-s0", "allreduce-b16-s0"]
+    assert TrainConfig(method="cerar", components=8, bucket_cap_mb=0.5).bucket_label == "cerar-c8-b0.5-s0"
+    # One size, given as a list of one or as a number, is today's single run.
+    assert TrainConfig(bucket_cap_mb=[4]).bucket_cap_mb == 4.0 == TrainConfig(bucket_cap_mb=4).bucket_cap_mb
+    assert TrainConfig(bucket_cap_mb=(4,)).label == TrainConfig().label == "allreduce-s0"
+    assert parse_bucket_caps("1,4,16") == (1.0, 4.0, 16.0) and parse_bucket_caps("2.5") == (2.5,)
+    assert TrainConfig(min_bucket_mb=2).min_bucket_mb == 2.0
+
+
+@pytest.mark.parametrize(
+    ("value", "kind", "message"),
+    [
+        ([1, 0], ValueError, "Argument 'bucket_cap_mb' must be positive, not 0.0 (entry 1 of [1, 0])."),
+        ([1, -4.0], ValueError, "Argument 'bucket_cap_mb' must be positive, not -4.0 (entry 1 of [1, -4.0])."),
+        ((1, "x"), TypeError, "Argument 'bucket_cap_mb' must be a real number, not 'x' (entry 1 of [1, 'x'])."),
+        ([2, float("inf")], ValueError, "Argument 'bucket_cap_mb' must be finite, not inf (entry 1 of [2, inf])."),
+        ([4, 1, 4.0], ValueError, "Argument 'bucket_cap_mb' must not repeat a size, not [4, 1, 4.0] (repeats [4.0])."),
+        ([], ValueError, "Argument 'bucket_cap_mb' must list at least one size, not ()."),
+        (0.0, ValueError, "Argument 'bucket_cap_mb' must be positive, not 0.0."),
+        (True, TypeError, "Argument 'bucket_cap_mb' must be a real number, not True."),
+    ],
+)
+def test_config_rejects_bad_bucket_sizes(value: object, kind: type[Exception], message: str) -> None:
+    with pytest.raises(kind) as info:
+        TrainConfig(bucket_cap_mb=value)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+def test_bucket_flag_parses_a_comma_list_and_names_a_bad_one() -> None:
+    from cerar.cli import build_parser
+    from cerar.cli.train import plan_runs
+
+    def plan(*flags: str) -> list[TrainConfig]:
+        return plan_runs(build_parser(only="train").parse_args(["train", "-N", "4", *flags]))
+
+    configs = plan("--methods", "allreduce", "cerar:8", "--noise-seeds", "2", "--bucket-cap-mb", "1,4")
+    assert [(c.label, c.bucket_cap_mb) for c in configs] == [
+        ("allreduce-s0", 1.0), ("allreduce-s0", 4.0), ("allreduce-s1", 1.0), ("allreduce-s1", 4.0),
+        ("cerar-c8-s0", 1.0), ("cerar-c8-s0", 4.0),
+    ]  # fmt: skip
+    assert [c.bucket_cap_mb for c in plan("--methods", "cerar", "--bucket-cap-mb", "4")] == [4.0]
+    for bad, message in (("1,x", "a size in MB or a comma list"), ("1,,4", "a size in MB"), ("2,2", "repeat")):
+        with pytest.raises(ValueError, match=f"Argument 'bucket_cap_mb' must (be|not) .*{message}"):
+            plan("--bucket-cap-mb", bad)
+
+
+def test_one_run_takes_one_bucket_size() -> None:
+    from cerar.experiments.train.loop import train
+
+    with pytest.raises(ValueError, match=r"Argument 'bucket_cap_mb' of one run must be one size, not \(1.0, 4.0\)"):
+        train(TrainConfig(bucket_cap_mb=(1, 4)))
 
 
 def test_model_config_checks_heads() -> None:
@@ -174,6 +233,56 @@ def test_cerar_train_end_to_end(
     assert main([*argv, "--reuse", "--no-plots"]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert [r["final_val_loss"] for r in again["runs"]] == [r["final_val_loss"] for r in summary["runs"]]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_cerar_train_bucket_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two bucket sizes, two methods, a few steps on loopback: the grid and the best-per-method
+    table, in the JSON and in the printed report."""
+    from cerar.cli import main
+
+    out = tmp_path / "sweep"
+    argv = [
+        "train", "-N", "2", "--regime", "fast", "--methods", "allreduce", "cerar", "--noise-seeds", "1",
+        "--bucket-cap-mb", "0.02,1", "--steps", "4", "--eval-every", "2", "--batch-size", "2",
+        "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "32", "--warmup-steps", "1",
+        "--eval-sequences", "4", "--timeout-s", "120", "--no-plots", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    labels = ["allreduce-b0.02-s0", "allreduce-b1-s0", "cerar-c4-b0.02-s0", "cerar-c4-b1-s0"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["label"] for r in summary["runs"]] == labels
+    assert all((out / "runs" / f"{label}.json").is_file() for label in labels)
+    sweep = summary["sweep"]
+    assert summary["bucket_caps_mb"] == sweep["bucket_caps_mb"] == [0.02, 1.0]
+    grid = {(row["name"], row["bucket_cap_mb"]): row for row in sweep["grid"]}
+    assert set(grid) == {(name, cap) for name in ("allreduce", "cerar-c4") for cap in (0.02, 1.0)}
+    for row in grid.values():
+        assert row["step_s"] > 0 and row["bytes_per_step"] > 0 and row["final_val_loss"] > 0
+    best = sweep["best_bucket_mb"]
+    assert set(best) == {"allreduce", "cerar-c4"}
+    for name, cap in best.items():  # the best size is the one with the lower step time
+        other = next(c for c in (0.02, 1.0) if c != cap)
+        assert grid[(name, cap)]["best"] and not grid[(name, other)]["best"]
+        assert grid[(name, cap)]["step_s"] <= grid[(name, other)]["step_s"]
+    rows = {row["name"]: row for row in sweep["best"]}
+    assert set(rows) == {"allreduce", "cerar-c4"}
+    assert rows["allreduce"]["step_vs_tuned_allreduce"] == 1.0
+    assert rows["cerar-c4"]["baseline"] == f"allreduce-b{best['allreduce']:g}-s0"
+    # The target is the tuned allreduce's final loss (+ 0.01, one seed): it reaches it.
+    tuned = grid[("allreduce", best["allreduce"])]
+    assert summary["target_val_loss"] == pytest.approx(tuned["final_val_loss"] + 0.01)
+    assert rows["allreduce"]["time_to_target_s"] is not None
+    assert "best bucket size" in summary["target_rule"]
+    assert any(c["label"].startswith("cerar-c4") and c["baseline"] == tuned["label"] for c in sweep["comparisons"])
+    # The printed report: the per-run table, the grid (a column per size) and the best table.
+    assert "| run | 0.02 MB buckets | 1 MB buckets |" in printed
+    assert "each method at its best bucket size" in printed
+    for label in labels:
+        assert f"| {label} |" in printed
+    assert f"| {rows['cerar-c4']['label']} | {best['cerar-c4']:g} |" in printed
 
 
 def test_plan_rejects_repeated_runs() -> None:

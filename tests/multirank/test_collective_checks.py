@@ -285,7 +285,7 @@ class _Net(nn.Module):
 def _ddp_threads_worker(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(_Net(), bucket_cap_mb=0.0001)  # several buckets
-    state = CerarState(code=codes.perturbed(world, 2 * world))
+    state = CerarState(code=codes.perturbed(world, 2 * world), min_bucket_bytes=0)
     hook_threads: list[list[str]] = []  # per step
 
     @functools.wraps(cerar_hook)  # DDP checks the annotations, which are strings in this file

@@ -6,6 +6,7 @@ so a regression (a hang in the hook or the ring) fails instead of blocking the s
 
 from __future__ import annotations
 
+import functools
 import pickle
 import re
 from typing import Any
@@ -15,10 +16,12 @@ import torch
 import torch._dynamo  # DDP imports it when first built: once here, not in every forked rank
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cerar.coding import codes
 from cerar.comm.ddp import (
+    DEFAULT_MIN_BUCKET_BYTES,
     HOOKS,
     STATE_DICT_FORMAT,
     CerarState,
@@ -95,7 +98,7 @@ def _parity(rank: int, world_size: int, which: str) -> dict[str, Any]:
 
     code = codes.exact(world_size) if which == "exact" else codes.perturbed(world_size, 2 * world_size)
     model = _ddp(_model())
-    state = CerarState(code=code)
+    state = CerarState(code=code, min_bucket_bytes=0)  # the test's buckets: far below the default
     model.register_comm_hook(state, ring_hook if which == "ring" else cerar_hook)
     _two_passes(model, batch)
     got = _flat_grad(model).double()
@@ -142,7 +145,7 @@ def test_ring_hook_matches_ddp_and_is_identical_on_every_rank() -> None:
 
 def _train(rank: int, world_size: int) -> dict[str, Any]:
     model = _ddp(_model())
-    state = CerarState(code=codes.perturbed(world_size, 2 * world_size))
+    state = CerarState(code=codes.perturbed(world_size, 2 * world_size), min_bucket_bytes=0)
     model.register_comm_hook(state, cerar_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     fixed = _batch(rank, 0)
@@ -198,7 +201,9 @@ def test_training_rebuild_resync_and_pickle() -> None:
 
 def _scheduled_resync(rank: int, world_size: int, every: int | None, tol: float | None) -> dict[str, Any]:
     model = _ddp(_model())
-    state = CerarState(code=codes.perturbed(world_size, 3 * world_size), resync_every=every, divergence_tol=tol)
+    state = CerarState(
+        code=codes.perturbed(world_size, 3 * world_size), min_bucket_bytes=0, resync_every=every, divergence_tol=tol
+    )
     model.register_comm_hook(state, cerar_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     state.attach(model, optimizer)
@@ -230,7 +235,7 @@ def test_resync_on_divergence_threshold() -> None:
 
 def _adamw_resync(rank: int, world_size: int) -> dict[str, Any]:
     model = _ddp(_model())
-    state = CerarState(code=codes.perturbed(world_size, 2 * world_size), resync_every=2)
+    state = CerarState(code=codes.perturbed(world_size, 2 * world_size), min_bucket_bytes=0, resync_every=2)
     model.register_comm_hook(state, cerar_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state.attach(model, optimizer)
@@ -276,6 +281,7 @@ def _state_slots(rank: int, world_size: int) -> dict[str, Any]:
     except AttributeError as exc:
         out["misspelt"] = str(exc)
     state.iteration, state.resyncs, state.last_divergence, state.sparse_buckets = 7, 2, 0.05, 3
+    state.min_bucket_bytes, state.start_iter, state.exact_buckets, state.exact_bytes = 512, 4, 9, 4608
     state.stats.bytes_sent = 1234
     state.last_step = CommStats(calls=4, bytes_sent=99)
     state.on_step = print  # runtime wiring: left out of the pickle
@@ -302,12 +308,112 @@ def test_state_has_slots_and_pickles_over_them() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The bucket policy: small buckets and the first start_iter passes take torch's exact all-reduce
+
+
+def _recording(hook: Any, sizes: list[list[int]]) -> Any:
+    """``hook``, noting each bucket's bytes under the current pass (DDP checks the annotations,
+    strings in this file: ``wraps`` copies the hook's own)."""
+
+    @functools.wraps(hook)
+    def recorded(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        sizes[-1].append(buffer.numel() * buffer.element_size())
+        return hook(state, bucket)
+
+    return recorded
+
+
+def _policy(rank: int, world_size: int, threshold: int, start_iter: int, passes: int) -> dict[str, Any]:
+    """No-hook DDP, ``allreduce_hook`` DDP and both cerar hooks under the bucket policy, side by
+    side on the same batches; per pass: bitwise equality with the two references, and the counts."""
+    reference, builtin = _ddp(_model()), _ddp(_model())
+    builtin.register_comm_hook(None, default_hooks.allreduce_hook)
+    code = codes.perturbed(world_size, 2 * world_size)
+    hooked, states, sizes = {}, {}, {}
+    for name, hook in HOOKS.items():
+        states[name] = CerarState(code=code, min_bucket_bytes=threshold, start_iter=start_iter)
+        sizes[name] = [[]]  # one list of bucket sizes per pass
+        hooked[name] = _ddp(_model())
+        hooked[name].register_comm_hook(states[name], _recording(hook, sizes[name]))
+    passes_out = []
+    for step in range(passes):
+        batch = _batch(rank, step)
+        before = {name: (s.exact_buckets, s.stats.calls, s.exact_bytes) for name, s in states.items()}
+        for model in (reference, builtin, *hooked.values()):
+            model.zero_grad()
+            _loss(model, batch).backward()
+        expected, exact = _flat_grad(reference), _flat_grad(builtin)
+        scale = float(torch.linalg.vector_norm(expected))
+        record: dict[str, Any] = {"builtin_equal": torch.equal(exact, expected)}
+        record["builtin_close"] = float(torch.linalg.vector_norm(exact - expected)) <= 1e-6 * scale
+        for name, model in hooked.items():
+            got, state = _flat_grad(model), states[name]
+            exact_buckets, calls, exact_bytes = before[name]
+            record[name] = {
+                "equal": torch.equal(got, exact),  # allreduce_hook's result, bitwise
+                "sizes": sizes[name][-1],
+                "exact": state.exact_buckets - exact_buckets,
+                "exact_bytes": state.exact_bytes - exact_bytes,
+                "calls": state.stats.calls - calls,
+            }
+            sizes[name].append([])
+        passes_out.append(record)
+        with torch.no_grad():  # keep every model at the reference's parameters
+            for model in (builtin, *hooked.values()):
+                for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+                    mine.copy_(theirs - 0.1 * theirs.grad)
+            for param in reference.parameters():
+                param.sub_(0.1 * param.grad)
+    return {"passes": passes_out, "saved": states["cerar"].state_dict(), "iteration": states["cerar"].iteration}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_buckets_below_the_threshold_are_bitwise_ddp_and_counted(world_size: int) -> None:
+    results = check(run_ranks(_policy, world_size, 1 << 30, 0, 3, timeout=TIMEOUT))
+    for out in results:
+        for record in out["passes"]:
+            # The exact path is allreduce_hook's (divide by N, then sum): bitwise no-hook DDP
+            # where 1/N is exact (N = 2); no-hook DDP multiplies by 1/N, which rounds
+            # differently at N = 3 (within float32 rounding).
+            assert record["builtin_equal"] if world_size == 2 else record["builtin_close"]
+            for name in HOOKS:
+                hook = record[name]
+                assert hook["equal"], (name, record)
+                assert hook["calls"] == 0 and hook["exact"] == len(hook["sizes"]) >= 1
+                assert hook["exact_bytes"] == sum(hook["sizes"])
+        saved = out["saved"]
+        assert (saved["min_bucket_bytes"], saved["start_iter"]) == (1 << 30, 0)
+        assert saved["exact_buckets"] == sum(r["cerar"]["exact"] for r in out["passes"])
+        assert saved["stats"]["calls"] == 0 and saved["bucket_numel"] == {}
+
+
+def test_start_iter_makes_the_first_passes_exact_then_small_buckets_stay_exact() -> None:
+    threshold = 8192  # between the test model's rebuilt buckets (about 4 KiB and 17 KiB)
+    results = check(run_ranks(_policy, 3, threshold, 2, 4, timeout=TIMEOUT))
+    for rank, out in enumerate(results):
+        assert out["iteration"] == 4
+        for step, record in enumerate(out["passes"]):
+            for name in HOOKS:
+                hook = record[name]
+                if step < 2:  # the warm-up: every bucket exact, bitwise DDP's default
+                    assert hook["equal"] and hook["calls"] == 0 and hook["exact"] == len(hook["sizes"])
+                    continue
+                small = [size for size in hook["sizes"] if size < threshold]
+                assert 0 < len(small) < len(hook["sizes"]), hook["sizes"]  # both paths run
+                assert hook["exact"] == len(small) and hook["exact_bytes"] == sum(small)
+                assert hook["calls"] == len(hook["sizes"]) - len(small)
+            if step >= 2 and rank == 1:  # rank 1 of 3 decodes an approximation: CERAR really ran
+                assert not record["cerar"]["equal"]
+
+
+# ---------------------------------------------------------------------------------------------
 # Non-finite gradients
 
 
 def _nan_step(rank: int, world_size: int, policy: str) -> dict[str, Any]:
     model = _ddp(_model())
-    state = CerarState(code=codes.perturbed(world_size, 2 * world_size), nonfinite=policy)
+    state = CerarState(code=codes.perturbed(world_size, 2 * world_size), min_bucket_bytes=0, nonfinite=policy)
     model.register_comm_hook(state, cerar_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     poison = {"on": False}
@@ -375,6 +481,11 @@ def test_bad_arguments_name_argument_and_value() -> None:
         (TypeError, {"code": "perturbed"}, "Argument 'code' must be a cerar.Code or None, not str."),
         (TypeError, {"process_group": "world"}, "Argument 'process_group' must be a ProcessGroup or None, not str."),
         (TypeError, {"on_step": 3}, "Argument 'on_step' must be a callable or None, not int."),
+        (ValueError, {"min_bucket_bytes": -1}, "Argument 'min_bucket_bytes' must be at least 0, not -1."),
+        (TypeError, {"min_bucket_bytes": 2.5}, "Argument 'min_bucket_bytes' must be an integer, not 2.5."),
+        (TypeError, {"min_bucket_bytes": None}, "Argument 'min_bucket_bytes' must be an integer, not None."),
+        (ValueError, {"start_iter": -3}, "Argument 'start_iter' must be at least 0, not -3."),
+        (TypeError, {"start_iter": True}, "Argument 'start_iter' must be an integer, not True."),
     ]
     for kind, kwargs, message in attempts:
         with pytest.raises(kind) as info:
@@ -392,6 +503,9 @@ def test_state_builds_without_a_process_group() -> None:
     assert (state.world_size, state.process_group, state._comm_group) == (None, None, None)
     assert state.code == codes.perturbed(3, 6) and "resync_every=4" in repr(state)
     assert CerarState().code is None  # the default code is chosen for the group, at the first bucket
+    # The bucket policy's defaults: the measured crossover (2 MiB), no exact warm-up.
+    assert (CerarState().min_bucket_bytes, CerarState().start_iter) == (DEFAULT_MIN_BUCKET_BYTES, 0) == (2 << 20, 0)
+    assert "min_bucket_bytes=2097152, start_iter=0" in repr(CerarState())
     saved = state.state_dict()
     assert (saved["rank"], saved["world_size"]) == (None, None)
 
@@ -401,8 +515,12 @@ def test_state_builds_without_a_process_group() -> None:
 
 
 def test_state_dict_holds_plain_values_and_round_trips() -> None:
-    state = CerarState(code=codes.perturbed(3, 6), nonfinite="raise", resync_every=3, divergence_tol=0.2)
+    state = CerarState(
+        code=codes.perturbed(3, 6), nonfinite="raise", min_bucket_bytes=4096, start_iter=3, resync_every=3,
+        divergence_tol=0.2,
+    )  # fmt: skip
     state.stats.bytes_sent, state.iteration, state.max_divergence = 77, 5, float("inf")
+    state.exact_buckets, state.exact_bytes = 6, 24_000
     state.last_step = CommStats(calls=2, wall_s=0.5)
     state.bucket_numel, state.bucket_stats = {0: 10, 1: 20}, {0: CommStats(calls=5), 1: CommStats(calls=5)}
     saved = state.state_dict()
@@ -419,6 +537,7 @@ def test_state_dict_holds_plain_values_and_round_trips() -> None:
     fresh.load_state_dict(saved)
     assert fresh.state_dict() == saved
     assert (fresh.code, fresh.nonfinite, fresh.resync_every, fresh.divergence_tol) == (state.code, "raise", 3, 0.2)
+    assert (fresh.min_bucket_bytes, fresh.start_iter, fresh.exact_buckets, fresh.exact_bytes) == (4096, 3, 6, 24_000)
     assert fresh.last_step == state.last_step and fresh.bucket_stats == state.bucket_stats
     same_code = CerarState(code=codes.perturbed(3, 6))
     same_code.load_state_dict(saved)
@@ -434,6 +553,9 @@ def test_load_state_dict_names_the_bad_key() -> None:
         (CerarState(), {**saved, "extra": 1}, KeyError, "unexpected keys ['extra']"),
         (CerarState(), {**saved, "nonfinite": "skip"}, ValueError, "Key 'nonfinite'"),
         (CerarState(), {**saved, "iteration": -1}, ValueError, "Key 'iteration'"),
+        (CerarState(), {**saved, "min_bucket_bytes": -1}, ValueError, "Key 'min_bucket_bytes'"),
+        (CerarState(), {**saved, "start_iter": 1.5}, ValueError, "Key 'start_iter'"),
+        (CerarState(), {**saved, "exact_buckets": -2}, ValueError, "Key 'exact_buckets'"),
         (CerarState(), {**saved, "stats": {"calls": 1, "bogus": 2}}, ValueError, "Key 'stats'"),
         (CerarState(), {**saved, "code": {"format": "nope"}}, ValueError, "Key 'code' of the state_dict is not"),
         (CerarState(), [1, 2], TypeError, "Argument 'state_dict' must be a mapping"),

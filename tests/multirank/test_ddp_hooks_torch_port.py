@@ -100,6 +100,7 @@ def _code(world_size: int) -> Code:
 
 
 def _state(which: str, world_size: int, **kwargs: Any) -> CerarState:
+    kwargs.setdefault("min_bucket_bytes", 0)  # the test model's buckets: below the 2 MiB default
     return CerarState(code=_code(world_size) if which == "cerar" else None, **kwargs)
 
 
@@ -424,7 +425,7 @@ def _checkpoints(rank: int, world_size: int, state: CerarState) -> dict[str, Any
 
 
 def test_registration_state_checks_on_step_and_checkpoints() -> None:
-    built_before_init = CerarState(resync_every=7)  # no process group in this (parent) process
+    built_before_init = CerarState(resync_every=7, min_bucket_bytes=0)  # no process group in this (parent) process
     assert built_before_init.world_size is None and built_before_init.code is None
     results = check(run_ranks(_api_run, 2, built_before_init, timeout=TIMEOUT))
     for rank, out in enumerate(results):

@@ -8,8 +8,10 @@ For each method (and, for ``allreduce``, each noise seed) it launches ``N`` loca
 * ``summary.json``: the per-run summaries, comparisons, link rate and settings;
 * ``loss.png`` (validation loss vs step and vs training time) and ``breakdown.png``;
 
-and prints the summary table. The same worker runs under ``torchrun`` directly (see
-:mod:`cerar.experiments.train.worker`).
+and prints the summary table. ``--bucket-cap-mb 1,4,16`` sweeps DDP's bucket size: every run
+at every size (labels ``cerar-c8-b4-s0``), reported as the full grid and, beside it, each
+method at its best size against the tuned allreduce (:mod:`cerar.experiments.train.sweep`).
+The same worker runs under ``torchrun`` directly (see :mod:`cerar.experiments.train.worker`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=2,
         help="allreduce runs with seeds seed..seed+k-1: their spread is the noise yardstick (default 2)",
     )
-    p.add_argument("--target-loss", type=float, default=None, help="default: allreduce's loss + its spread")
+    p.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="validation loss for 'time to target' (default: the tuned allreduce's, i.e. at its best bucket "
+        "size: mean final loss + its seed spread, at least 0.01)",
+    )
     p.add_argument("--out", type=Path, default=Path("results/train"), help="output folder (default results/train)")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="limit per run (default 1200)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
@@ -66,27 +74,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def plan_runs(args: argparse.Namespace) -> list[TrainConfig]:
-    """The runs, in order: each method once with ``--seed``, plus extra allreduce seeds."""
+    """The runs, in order: each method once with ``--seed``, plus extra allreduce seeds; each of
+    them at every bucket size of ``--bucket-cap-mb`` (same data, same seeds)."""
     if args.world_size < 2:
         raise ValueError(f"Argument 'world_size' must be at least 2, not {args.world_size}.")
     if args.noise_seeds < 1:
         raise ValueError(f"Argument 'noise_seeds' must be at least 1, not {args.noise_seeds}.")
     configs: list[TrainConfig] = []
     for spec in args.methods:
-        configs.append(config_from_args(args, spec, args.seed, args.world_size))
-        if spec == "allreduce":
-            for extra in range(1, args.noise_seeds):
-                configs.append(config_from_args(args, spec, args.seed + extra, args.world_size))
-    labels = [c.label for c in configs]
+        seeds = range(args.seed, args.seed + (args.noise_seeds if spec == "allreduce" else 1))
+        for seed in seeds:
+            config = config_from_args(args, spec, seed, args.world_size)
+            configs += [config.at_bucket(cap) for cap in config.bucket_caps]
+    labels = [run_label(c, configs) for c in configs]
     duplicated = sorted({label for label in labels if labels.count(label) > 1})
     if duplicated:
         raise ValueError(f"Argument 'methods' must not repeat a run, not {duplicated}.")
     return configs
 
 
-def run(args: argparse.Namespace) -> int:
-    from cerar.experiments.train import report
+def run_label(config: TrainConfig, configs: list[TrainConfig]) -> str:
+    """``config.label``, or in a bucket sweep (several sizes among ``configs``) its
+    ``bucket_label``."""
+    sweep = len({c.bucket_cap_mb for c in configs}) > 1
+    return config.bucket_label if sweep else config.label
 
+
+def run(args: argparse.Namespace) -> int:
     configs = plan_runs(args)
     _require_extras(args)  # before any run: a missing extra should not cost a run's time
     if args.regime == "slow":
@@ -97,45 +111,90 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"Argument 'regime' 'slow' is unavailable here: {reason}.")
     started = time.perf_counter()
     runs, link_rates, reused_wall_s = _run_all(configs, args)
-
-    link_rate = sum(link_rates) / len(link_rates) if link_rates else None
-    target = args.target_loss if args.target_loss is not None else report.default_target(runs)
-    summaries = [report.summarize_run(r, target) for r in runs]
-    spread = report.noise_spread(summaries)
-    # Against allreduce (the baseline) and, for cerar, against the exact ring on the same
-    # transport (isolates the coding gain from the transport's own cost).
-    comparisons = report.compare(summaries, link_rate) + report.compare(
-        summaries, link_rate, baseline="ring", only=("cerar",)
-    )
-    summary = {
-        "world_size": args.world_size,
-        "regime": args.regime,
-        "rate": args.rate if args.regime == "slow" else None,
-        "link_rate_bytes_per_s": link_rate,
-        "target_val_loss": target,
-        "noise_spread": spread,
-        "total_wall_s": time.perf_counter() - started + reused_wall_s,  # reused runs count their own time
-        "runs": [s.as_dict() for s in summaries],
-        "comparisons": comparisons,
-        "configs": [c.to_dict() for c in configs],
-    }
+    wall_s = time.perf_counter() - started + reused_wall_s  # reused runs count their own time
+    summary, summaries = _summarize(args, configs, runs, link_rates, wall_s)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     if not args.no_plots:
         from cerar.experiments.train.plots import plot_breakdown, plot_loss
 
-        plot_loss(runs, args.out / "loss.png", target=target)
+        plot_loss(runs, args.out / "loss.png", target=summary["target_val_loss"])
         plot_breakdown(summaries, args.out / "breakdown.png")
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     _print_summary(args, configs[0], summary, summaries)
-    print(
-        report.format_table(
-            summaries, target=target, spread=spread, comparisons=comparisons, link_rate_bytes_per_s=link_rate
-        )
-    )
+    _print_tables(summary, summaries)
     print(f"\nwrote {args.out / 'summary.json'}" + ("" if args.no_plots else ", loss.png, breakdown.png"))
     return 0
+
+
+def _summarize(
+    args: argparse.Namespace, configs: list[TrainConfig], runs: list[dict[str, Any]], link_rates: list[float],
+    wall_s: float,
+) -> tuple[dict[str, Any], list[Any]]:  # fmt: skip
+    """The summary JSON and the per-run summaries: the target loss is the (tuned) allreduce's
+    unless given, the noise spread over the tuned allreduce's seeds; a sweep adds ``sweep``."""
+    from cerar.experiments.train import report
+
+    link_rate = sum(link_rates) / len(link_rates) if link_rates else None
+    untimed = [report.summarize_run(r, None) for r in runs]
+    target = args.target_loss if args.target_loss is not None else report.default_target(untimed)
+    summaries = [report.summarize_run(r, target) for r in runs]
+    best = report.best_buckets(summaries)
+    caps = sorted({s.bucket_cap_mb for s in summaries})
+    # Against allreduce (the baseline) and, for cerar, against the exact ring on the same
+    # transport (isolates the coding gain from the transport's own cost); same bucket size.
+    comparisons = report.compare(summaries, link_rate) + report.compare(
+        summaries, link_rate, baseline="ring", only=("cerar",)
+    )
+    summary: dict[str, Any] = {
+        "world_size": args.world_size,
+        "regime": args.regime,
+        "rate": args.rate if args.regime == "slow" else None,
+        "link_rate_bytes_per_s": link_rate,
+        "target_val_loss": target,
+        "target_rule": _target_rule(args, best, len(caps) > 1),
+        "noise_spread": report.noise_spread(report.at_best(summaries, best)),  # the tuned allreduce's seeds
+        "bucket_caps_mb": caps,
+        "total_wall_s": wall_s,
+        "runs": [s.as_dict() for s in summaries],
+        "comparisons": comparisons,
+        "configs": [c.to_dict() for c in configs],
+    }
+    if len(caps) > 1:
+        from cerar.experiments.train.sweep import sweep_summary
+
+        summary["sweep"] = sweep_summary(summaries, best, link_rate)
+    return summary, summaries
+
+
+def _print_tables(summary: dict[str, Any], summaries: list[Any]) -> None:
+    from cerar.experiments.train import report
+
+    print(
+        report.format_table(
+            summaries,
+            target=summary["target_val_loss"],
+            spread=summary["noise_spread"],
+            comparisons=summary["comparisons"],
+            link_rate_bytes_per_s=summary["link_rate_bytes_per_s"],
+            target_rule=summary["target_rule"],
+        )
+    )
+    if "sweep" in summary:
+        from cerar.experiments.train.sweep import format_sweep
+
+        print("\n" + format_sweep(summary["sweep"]))
+
+
+def _target_rule(args: argparse.Namespace, best: dict[str, float], sweep: bool) -> str:
+    """How the target validation loss was chosen, for the report."""
+    if args.target_loss is not None:
+        return "given by --target-loss"
+    if "allreduce" not in best:
+        return "none: no allreduce run; give --target-loss"
+    rule = "allreduce's mean final loss plus its seed spread"
+    return f"{rule}, at allreduce's best bucket size, {best['allreduce']:g} MB: the tuned baseline" if sweep else rule
 
 
 def _require_extras(args: argparse.Namespace) -> None:
@@ -165,14 +224,18 @@ def _run_all(configs: list[TrainConfig], args: argparse.Namespace) -> tuple[list
     runs: list[dict[str, Any]] = []
     reused_wall_s = 0.0
     for config in configs:
-        out_path = runs_dir / f"{config.label}.json"
+        label = run_label(config, configs)
+        out_path = runs_dir / f"{label}.json"
         record = _reusable(out_path, config, args) if args.reuse else None
         if record is not None:
             reused_wall_s += float((record.get("launch") or {}).get("wall_s", 0.0))
             bar.update(config.steps)
         else:
-            bar.set_description(config.label)
-            record = _launch_run(config, runs_dir / f"{config.label}.config.json", out_path, args, bar)
+            bar.set_description(label)
+            record = _launch_run(config, runs_dir / f"{label}.config.json", out_path, args, bar)
+            if record.get("label") != label:  # the worker names a run by its config alone
+                record["label"] = label
+                out_path.write_text(json.dumps(record))
         runs.append(record)
     bar.close()
     rates = [rate for r in runs if (rate := (r.get("launch") or {}).get("link_rate_bytes_per_s"))]
@@ -221,9 +284,7 @@ def _launch_run(
     return record
 
 
-def _print_summary(
-    args: argparse.Namespace, first: TrainConfig, summary: dict[str, Any], summaries: list[Any]
-) -> None:
+def _print_summary(args: argparse.Namespace, first: TrainConfig, summary: dict[str, Any], summaries: list[Any]) -> None:
     regime = f"slow, {args.rate}" if args.regime == "slow" else "fast (loopback)"
     print(
         f"cerar train: N = {args.world_size}, {regime}, {first.steps} steps x {first.batch_size} seq x "

@@ -16,7 +16,9 @@ order DDP launches them, which is the same on every rank, while the autograd thr
 with the rest of backward. DDP waits for the bucket futures only when backward's computation
 is done, so communication overlaps computation as with DDP's own all-reduce. A sparse gradient
 (``nn.Embedding(..., sparse=True)``), which DDP hands over alone in its bucket, is averaged by
-``torch.distributed.all_reduce`` exactly as DDP's default does.
+``torch.distributed.all_reduce`` exactly as DDP's default does. So are, by the bucket policy of
+:class:`CerarState`, buckets smaller than ``min_bucket_bytes`` (where CERAR's fixed cost per call
+outweighs the bytes it saves) and every bucket of the first ``start_iter`` backward passes.
 
 Results are **not bitwise identical across ranks**. CERAR's ranks decode slightly different
 approximations of the sum (within the code's error bound, see :attr:`cerar.Code.error_bound`),
@@ -41,12 +43,20 @@ import torch.distributed as dist
 
 from cerar._checks import check_choice
 from cerar.coding.code import Code
-from cerar.comm.ddp_checkpoint import STATE_DICT_FORMAT, check_every, check_tol, from_state_dict, to_state_dict
+from cerar.comm.ddp_checkpoint import (
+    STATE_DICT_FORMAT,
+    check_count,
+    check_every,
+    check_tol,
+    from_state_dict,
+    to_state_dict,
+)
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.replicas import SKETCH_SIZE, ReplicaSync, replica_divergence, resync
 from cerar.comm.stats import CommStats
 
 __all__ = [
+    "DEFAULT_MIN_BUCKET_BYTES",
     "HOOKS",
     "NONFINITE_POLICIES",
     "SKETCH_SIZE",
@@ -60,6 +70,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: :class:`CerarState`'s default ``min_bucket_bytes``: 2 MiB, the measured crossover below which
+#: CERAR is slower than Gloo's all-reduce on the slow network (README's bench table, N = 4,
+#: c = 8, 400 Mbit/s: 1.37x builtin's time at 1 MB, 0.95x at 4 MB; an alpha-beta fit through
+#: those points crosses at about 3 MB, the issue's fit at 3.15 MB). 2 MiB sits between the
+#: measured points on the side of using CERAR; re-measure it when CERAR's per-call fixed cost
+#: changes (the per-call agreement is most of it).
+DEFAULT_MIN_BUCKET_BYTES = 2 * 1024 * 1024
 
 
 class CerarState(ReplicaSync):
@@ -94,6 +112,21 @@ class CerarState(ReplicaSync):
             (``None``: never measured by the state). The check runs after every optimizer step
             and costs one pass over the parameters and an all-gather of ``SKETCH_SIZE + 1``
             float64 values per rank (8 KiB), negligible next to a gradient all-reduce.
+        min_bucket_bytes: a dense bucket whose buffer holds fewer bytes than this goes to the exact
+            all-reduce (``torch.distributed.all_reduce`` on ``process_group``, averaged as
+            ``default_hooks.allreduce_hook``: bitwise DDP's default), counted in
+            ``exact_buckets``. Below it CERAR's fixed cost per call (its ``c + N - 2`` rounds, the
+            per-call agreement) outweighs the bytes it saves, as PowerSGD's
+            ``min_compression_rate`` and CGX's ``layer_min_size`` keep small layers
+            uncompressed. Default :data:`DEFAULT_MIN_BUCKET_BYTES` (2 MiB, the measured
+            crossover on the slow network); ``0`` sends every dense bucket through the hook's ring.
+            DDP's first bucket of each pass is capped at 1 MiB, so with the default it is exact.
+        start_iter: the first ``start_iter`` backward passes (``iteration < start_iter``) send
+            every bucket to the exact all-reduce, as PowerSGD's ``start_powerSGD_iter``: an
+            exact warm-up while gradients are large and change fast (default ``0``: none).
+            Both rules depend only on the bucket's size and the iteration count, which are the
+            same on every rank, so every rank takes the same path for each bucket. The exact
+            path does not apply ``nonfinite`` (non-finite values are summed, as DDP's default).
         on_step: ``on_step(state, stats)``, called with the step's :class:`CommStats` when the
             last bucket of a backward pass completes. It runs on the communication thread, so
             keep it short; an exception in it fails that backward.
@@ -102,9 +135,10 @@ class CerarState(ReplicaSync):
     ``optimizer.step()``) or automatically once :meth:`attach` has registered it as an optimizer
     step hook.
 
-    Attributes (settings): ``process_group``, ``code``, ``nonfinite``, ``resync_every``,
-    ``divergence_tol``, ``on_step`` as given (``code`` resolved to the concrete default at the
-    first bucket by :func:`cerar_hook`); ``world_size``: the group's size (``None`` until then).
+    Attributes (settings): ``process_group``, ``code``, ``nonfinite``, ``min_bucket_bytes``,
+    ``start_iter``, ``resync_every``, ``divergence_tol``, ``on_step`` as given (``code`` resolved
+    to the concrete default at the first bucket by :func:`cerar_hook`); ``world_size``: the
+    group's size (``None`` until then).
 
     Attributes (internal buffers, keyed by bucket index): ``bucket_numel``, the last size seen
     for each bucket (a change, as when DDP rebuilds its buckets after the first iteration,
@@ -116,6 +150,9 @@ class CerarState(ReplicaSync):
         last_step: the :class:`CommStats` of the latest completed backward pass (``None`` before).
         iteration: backward passes seen (counted at each step's last bucket).
         sparse_buckets: sparse gradient buckets averaged by ``torch.distributed.all_reduce``.
+        exact_buckets, exact_bytes: dense buckets (and their buffers' bytes) that the bucket
+            policy (``min_bucket_bytes``, ``start_iter``) sent to ``torch.distributed.all_reduce``;
+            they are not in ``stats``, which counts what cerar's own transport measured.
         steps: optimizer steps seen by :meth:`maybe_resync`.
         resyncs, resync_s: re-synchronisations done and seconds spent in them.
         last_divergence, max_divergence: the latest and the largest divergence measured by the
@@ -141,10 +178,13 @@ class CerarState(ReplicaSync):
         "bucket_stats",
         "code",
         "divergence_tol",
+        "exact_buckets",
+        "exact_bytes",
         "iteration",
         "last_divergence",
         "last_step",
         "max_divergence",
+        "min_bucket_bytes",
         "nonfinite",
         "on_step",
         "process_group",
@@ -152,6 +192,7 @@ class CerarState(ReplicaSync):
         "resync_s",
         "resyncs",
         "sparse_buckets",
+        "start_iter",
         "stats",
         "steps",
         "world_size",
@@ -167,6 +208,8 @@ class CerarState(ReplicaSync):
         code: Code | None = None,
         *,
         nonfinite: str = "exact",
+        min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
+        start_iter: int = 0,
         resync_every: int | None = None,
         divergence_tol: float | None = None,
         on_step: Callable[["CerarState", CommStats], None] | None = None,
@@ -184,6 +227,8 @@ class CerarState(ReplicaSync):
         self.code: Code | None = code
         self.world_size: int | None = None  # resolved at the first bucket
         self.nonfinite: str = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        self.min_bucket_bytes: int = check_count("min_bucket_bytes", min_bucket_bytes)
+        self.start_iter: int = check_count("start_iter", start_iter)
         self.resync_every: int | None = check_every("resync_every", resync_every)
         self.divergence_tol: float | None = check_tol("divergence_tol", divergence_tol)
         self.on_step = on_step
@@ -195,6 +240,8 @@ class CerarState(ReplicaSync):
         self.last_step: CommStats | None = None
         self.iteration = 0
         self.sparse_buckets = 0
+        self.exact_buckets = 0
+        self.exact_bytes = 0
         self.steps = 0
         self.resyncs = 0
         self.resync_s = 0.0
@@ -247,6 +294,14 @@ class CerarState(ReplicaSync):
 
     # ----------------------------------------------------------------------------------------
     # Used by the hooks
+    def exact_path(self, buffer: torch.Tensor) -> bool:
+        """Whether the hooks send the dense bucket ``buffer`` to the exact all-reduce now: in the
+        first ``start_iter`` backward passes, or when it holds fewer than ``min_bucket_bytes``
+        bytes. Call it before the hook sees the bucket (the last bucket of a pass advances
+        ``iteration``); every rank gets the same answer for the same bucket."""
+        nbytes = buffer.numel() * buffer.element_size()
+        return self.iteration < self.start_iter or nbytes < self.min_bucket_bytes
+
     def _resolve(self, coded: bool) -> dist.ProcessGroup:
         """The hook's group, created (and the code checked or defaulted) at the first bucket."""
         if self._comm_group is None:
@@ -306,7 +361,8 @@ class CerarState(ReplicaSync):
 
     def __repr__(self) -> str:
         return (
-            f"CerarState({self.code!r}, nonfinite={self.nonfinite!r}, resync_every={self.resync_every}, "
+            f"CerarState({self.code!r}, nonfinite={self.nonfinite!r}, min_bucket_bytes={self.min_bucket_bytes}, "
+            f"start_iter={self.start_iter}, resync_every={self.resync_every}, "
             f"divergence_tol={self.divergence_tol}, iteration={self.iteration}, resyncs={self.resyncs})"
         )
 
@@ -317,7 +373,9 @@ def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futu
     Returns at once with a future that completes with the averaged bucket (decoded by this rank,
     within the code's error bound of the exact mean). A bucket with NaN/Inf on some rank goes
     through the exact ring under ``nonfinite="exact"`` (the default) instead of failing; a sparse
-    bucket is averaged by ``torch.distributed.all_reduce``, as DDP's default does.
+    bucket, one below ``state.min_bucket_bytes`` and every bucket of the first
+    ``state.start_iter`` passes are averaged by ``torch.distributed.all_reduce``, as DDP's
+    default does.
     """
     from cerar.comm.collective import all_reduce
 
@@ -336,7 +394,8 @@ def ring_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futur
 
     Same thread, same point-to-point ops and statistics as :func:`cerar_hook`; the result is the
     same on every rank. ``state.code`` and ``state.nonfinite`` are not used (the ring, like DDP's
-    default, leaves non-finite values where they are).
+    default, leaves non-finite values where they are). The bucket policy (``min_bucket_bytes``,
+    ``start_iter``) applies as in :func:`cerar_hook`.
     """
     from cerar.comm.collective import ring_all_reduce
 
@@ -361,7 +420,8 @@ def get_hook(name: str) -> Callable[[CerarState, dist.GradBucket], torch.futures
 
 
 def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool) -> torch.futures.Future[torch.Tensor]:
-    """Submit one bucket (a sparse one to torch's all-reduce) and chain the bookkeeping after it."""
+    """Submit one bucket (a sparse one, and one the bucket policy picks, to torch's all-reduce)
+    and chain the bookkeeping after it."""
     if not isinstance(state, CerarState):
         raise TypeError(
             f"Argument 'state' of the cerar DDP hook must be a cerar.ddp.CerarState, not {type(state).__name__}: "
@@ -370,11 +430,17 @@ def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool)
     group = state._resolve(coded)
     buffer = bucket.buffer()
     call, bucket_stats = CommStats(), None
+    sparse = buffer.layout != torch.strided
+    exact = not sparse and state.exact_path(buffer)  # before the last bucket advances iteration
     state._bucket_started(bucket.is_last())
     try:
-        if buffer.layout != torch.strided:
+        if sparse:
             state.sparse_buckets += 1
-            future = _sparse_average(state.process_group, buffer)
+            future = _exact_average(state.process_group, buffer)
+        elif exact:
+            state.exact_buckets += 1
+            state.exact_bytes += buffer.numel() * buffer.element_size()
+            future = _exact_average(state.process_group, buffer)
         else:
             bucket_stats = state._note_bucket(bucket.index(), buffer.numel())
             future = start(buffer, group, call).get_future()
@@ -393,13 +459,14 @@ def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool)
     return future.then(record_stats)
 
 
-def _sparse_average(
+def _exact_average(
     process_group: dist.ProcessGroup | None, buffer: torch.Tensor
 ) -> torch.futures.Future[list[torch.Tensor]]:
-    """DDP's default for a sparse gradient (``default_hooks.allreduce_hook``): divide, then sum
-    with ``torch.distributed.all_reduce`` on DDP's own group. The ring works on dense values only;
-    and DDP's own collectives on that group are issued from the same (autograd) thread, so the
-    order of calls on it is the same on every rank."""
+    """DDP's default (``default_hooks.allreduce_hook``): divide, then sum with
+    ``torch.distributed.all_reduce`` on DDP's own group. For sparse buckets (the ring works on
+    dense values only) and the ones the bucket policy keeps exact. DDP's own collectives on that
+    group are issued from the same (autograd) thread, so the order of calls on it is the same on
+    every rank; cerar's ring runs on its dedicated group, so the two never interleave."""
     group = process_group if process_group is not None else dist.group.WORLD
     buffer.div_(dist.get_world_size(group))
     return dist.all_reduce(buffer, group=group, async_op=True).get_future()

@@ -19,12 +19,13 @@ from cerar.coding.code import Code
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
 
-__all__ = ["KEYS", "STATE_DICT_FORMAT", "check_every", "check_tol", "from_state_dict", "to_state_dict"]
+__all__ = ["KEYS", "STATE_DICT_FORMAT", "check_count", "check_every", "check_tol", "from_state_dict", "to_state_dict"]
 
-#: The ``"format"`` entry of a ``CerarState.state_dict()``.
-STATE_DICT_FORMAT = "cerar.comm.ddp.CerarState/1"
+#: The ``"format"`` entry of a ``CerarState.state_dict()`` (2: the bucket policy's settings and
+#: counts were added).
+STATE_DICT_FORMAT = "cerar.comm.ddp.CerarState/2"
 #: Statistics saved as they are: counts, seconds, divergences (``None`` if never measured).
-COUNTERS = ("iteration", "steps", "resyncs", "sparse_buckets")
+COUNTERS = ("iteration", "steps", "resyncs", "sparse_buckets", "exact_buckets", "exact_bytes")
 SECONDS = ("resync_s",)
 DIVERGENCES = ("last_divergence", "max_divergence")
 #: Every key of a state_dict.
@@ -32,6 +33,8 @@ KEYS = (
     "format",
     "code",
     "nonfinite",
+    "min_bucket_bytes",
+    "start_iter",
     "resync_every",
     "divergence_tol",
     "rank",
@@ -44,6 +47,11 @@ KEYS = (
     *SECONDS,
     *DIVERGENCES,
 )
+
+
+def check_count(name: str, value: Any) -> int:
+    """``min_bucket_bytes``, ``start_iter``: an integer of at least 0 (not a bool)."""
+    return check_int(name, value, minimum=0)
 
 
 def check_every(name: str, value: Any) -> int | None:
@@ -62,6 +70,8 @@ def to_state_dict(state: Any, rank: int | None, world_size: int | None) -> dict[
         "format": STATE_DICT_FORMAT,
         "code": None if state.code is None else json.loads(state.code.to_json()),
         "nonfinite": state.nonfinite,
+        "min_bucket_bytes": state.min_bucket_bytes,
+        "start_iter": state.start_iter,
         "resync_every": state.resync_every,
         "divergence_tol": state.divergence_tol,
         "rank": rank,
@@ -100,6 +110,8 @@ def from_state_dict(state_dict: Any, code: Code | None, rank: int | None, world_
     parsers: dict[str, Callable[[Any], Any]] = {
         "code": lambda v: _loaded_code(v, code),
         "nonfinite": lambda v: check_choice("nonfinite", v, NONFINITE_POLICIES),
+        "min_bucket_bytes": lambda v: check_count("min_bucket_bytes", v),
+        "start_iter": lambda v: check_count("start_iter", v),
         "resync_every": lambda v: check_every("resync_every", v),
         "divergence_tol": lambda v: check_tol("divergence_tol", v),
         "stats": _comm_stats,

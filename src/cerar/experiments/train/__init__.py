@@ -13,4 +13,5 @@ One concern per module:
 * :mod:`cerar.experiments.train.worker`: the per-rank entry point (``python -m cerar.experiments.train.worker``,
   also under ``torchrun``).
 * :mod:`cerar.experiments.train.report`: summary table and JSON; :mod:`cerar.experiments.train.plots`: PNG figures.
+* :mod:`cerar.experiments.train.sweep`: the bucket sweep's grid and each method at its best bucket size.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from cerar._checks import check_choice, check_float, check_int
@@ -18,9 +18,50 @@ from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.experiments._flags import add_flags, flag, flag_group, from_flags
 from cerar.experiments.train.methods import HOOKS
 
-__all__ = ["ModelConfig", "TrainConfig", "add_config_arguments", "config_from_args", "parse_method"]
+__all__ = [
+    "ModelConfig",
+    "TrainConfig",
+    "add_config_arguments",
+    "config_from_args",
+    "parse_bucket_caps",
+    "parse_method",
+]
 
 BYTE_VOCAB = 256  # byte-level tokens: no tokenizer to download
+
+
+def parse_bucket_caps(text: str) -> tuple[float, ...]:
+    """``"1,4,16"`` (``--bucket-cap-mb``) into ``(1.0, 4.0, 16.0)``; the values are checked by
+    :class:`TrainConfig`, so a bad one raises the same error as in Python."""
+    values = []
+    for item in text.split(","):
+        try:
+            values.append(float(item))
+        except ValueError:
+            raise ValueError(
+                f"Argument 'bucket_cap_mb' must be a size in MB or a comma list of them (e.g. 1,4,16), not {text!r}."
+            ) from None
+    return tuple(values)
+
+
+def _bucket_caps(value: object) -> float | tuple[float, ...]:
+    """One size (a float) or a sweep (a tuple of two or more distinct sizes, as given); each a
+    positive, finite number of MB. A list of one size is that size."""
+    items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if not items:
+        raise ValueError("Argument 'bucket_cap_mb' must list at least one size, not ().")
+    caps = []
+    for index, item in enumerate(items):
+        try:
+            caps.append(check_float("bucket_cap_mb", item, positive=True))
+        except (TypeError, ValueError) as exc:
+            if len(items) == 1:
+                raise
+            raise type(exc)(f"{str(exc)[:-1]} (entry {index} of {list(items)!r}).") from None
+    repeated = sorted({cap for cap in caps if caps.count(cap) > 1})
+    if repeated:
+        raise ValueError(f"Argument 'bucket_cap_mb' must not repeat a size, not {list(items)!r} (repeats {repeated}).")
+    return caps[0] if len(caps) == 1 else tuple(caps)
 
 
 @dataclass(frozen=True)
@@ -57,12 +98,20 @@ class TrainConfig:
     options of ``cerar train`` and of the worker (their help is in the field's metadata); the
     others come from the method spec (:func:`parse_method`) and the command.
 
+    ``bucket_cap_mb`` is one size, or several (``(1, 4, 16)``, ``--bucket-cap-mb 1,4,16``): a
+    sweep, which ``cerar train`` runs as one run per size (:meth:`at_bucket`); a run itself
+    (:func:`cerar.experiments.train.loop.train`) takes one size.
+
     Args:
         method: a key of :data:`~cerar.experiments.train.methods.HOOKS`.
         components: ``cerar``: the code's ``c`` (``None``: ``2N``).
         seed: initial weights and data order.
         nonfinite, resync_every, divergence_tol: ``cerar``/``ring``: see
             :class:`cerar.comm.ddp.CerarState`.
+        min_bucket_mb: ``cerar``/``ring``: ``CerarState(min_bucket_bytes=...)`` in MiB (DDP's
+            MB). Default 0, every bucket through the method's own ring, so that the grid
+            measures the method as named; the hook's own default (2 MiB, the crossover below
+            which CERAR is slower than Gloo) is what ``--min-bucket-mb 2`` tries.
     """
 
     method: str = "allreduce"
@@ -82,8 +131,17 @@ class TrainConfig:
     eval_every: int = field(default=25, metadata=flag("validation loss every this many steps (and at the end)"))
     eval_sequences: int = field(default=64, metadata=flag("validation sequences per evaluation (fixed)"))
     seed: int = 0
-    bucket_cap_mb: float = field(
-        default=1.0, metadata=flag("DDP's bucket size in MB: several buckets let communication overlap backward")
+    bucket_cap_mb: float | tuple[float, ...] = field(
+        default=1.0,
+        metadata=flag(
+            "DDP's bucket size in MB: several buckets let communication overlap backward; a comma list "
+            "(1,4,16) sweeps: every method at every size, reported at its best",
+            parse=parse_bucket_caps,
+        ),
+    )
+    min_bucket_mb: float = field(
+        default=0.0,
+        metadata=flag("cerar/ring: buckets under this many MB take torch's exact all-reduce (the hook's default: 2)"),
     )
     nonfinite: str = field(default="exact", metadata=flag("cerar/ring: raise, exact or ignore on NaN/Inf input"))
     resync_every: int | None = field(
@@ -110,7 +168,8 @@ class TrainConfig:
         check_int("eval_every", self.eval_every, minimum=1)
         check_int("eval_sequences", self.eval_sequences, minimum=1)
         check_int("seed", self.seed, minimum=0)
-        check_float("bucket_cap_mb", self.bucket_cap_mb, positive=True)
+        object.__setattr__(self, "bucket_cap_mb", _bucket_caps(self.bucket_cap_mb))  # frozen: normalised once
+        check_float("min_bucket_mb", self.min_bucket_mb, nonnegative=True)
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         if self.resync_every is not None:
             check_int("resync_every", self.resync_every, minimum=1)
@@ -118,14 +177,33 @@ class TrainConfig:
             check_float("divergence_tol", self.divergence_tol, positive=True)
 
     @property
+    def name(self) -> str:
+        """The method with its parameter: ``allreduce``, ``cerar-c8``, ``powersgd-r4``."""
+        if self.method == "cerar" and self.components is not None:
+            return f"{self.method}-c{self.components}"
+        if self.method == "powersgd":
+            return f"{self.method}-r{self.powersgd_rank}"
+        return self.method
+
+    @property
     def label(self) -> str:
         """A short name: ``allreduce-s0``, ``cerar-c8-s0``, ``powersgd-r4-s1``."""
-        middle = ""
-        if self.method == "cerar" and self.components is not None:
-            middle = f"-c{self.components}"
-        elif self.method == "powersgd":
-            middle = f"-r{self.powersgd_rank}"
-        return f"{self.method}{middle}-s{self.seed}"
+        return f"{self.name}-s{self.seed}"
+
+    @property
+    def bucket_label(self) -> str:
+        """The label of one run of a bucket sweep: ``cerar-c8-b4-s0`` (4 MB buckets)."""
+        return f"{self.name}-b{self.bucket_cap_mb:g}-s{self.seed}"
+
+    @property
+    def bucket_caps(self) -> tuple[float, ...]:
+        """The bucket sizes (MB) this config names: one, or a sweep's."""
+        caps = self.bucket_cap_mb
+        return caps if isinstance(caps, tuple) else (caps,)
+
+    def at_bucket(self, cap_mb: float) -> TrainConfig:
+        """This config for one run at bucket size ``cap_mb``."""
+        return replace(self, bucket_cap_mb=cap_mb)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

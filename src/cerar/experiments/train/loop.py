@@ -52,6 +52,11 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 def train(config: TrainConfig, progress: Progress | None = None, split: Split | None = None) -> dict[str, Any]:
     """Train on the initialised default process group; return this rank's record (a dict)."""
+    if isinstance(config.bucket_cap_mb, tuple):
+        raise ValueError(
+            f"Argument 'bucket_cap_mb' of one run must be one size, not {config.bucket_cap_mb}: "
+            "`cerar train --bucket-cap-mb 1,4,16` runs a sweep as one run per size."
+        )
     rank, world_size = dist.get_rank(), dist.get_world_size()
     split = split if split is not None else load_split()
     module = build_model(config.model, config.seed)

@@ -16,7 +16,9 @@ method         hook                                                        bytes
 ``cerar``      :func:`cerar.comm.ddp.cerar_hook` with ``perturbed(N, c)``        measured
 =============  ==========================================================  ==================
 
-"Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.stats.CommStats`).
+"Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.stats.CommStats`);
+buckets that ``ring``/``cerar``'s bucket policy (``min_bucket_mb``) sends to Gloo's all-reduce
+add their computed bytes.
 Gloo's built-in collectives cannot be observed at that level, so their bytes are **computed**
 from the bucket sizes with the ring formula, ``2(N-1)/N x elements x bytes per element`` per
 all-reduce (PowerSGD: of the uncompressed tensors and its P and Q factors); reports label them.
@@ -47,7 +49,7 @@ POWERSGD_START = 10  # PowerSGD's exact warm-up steps (torch's default, 1000, is
 #: What :meth:`InstalledHook.counters` returns, in order.
 COUNTERS = (
     "bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s", "fallbacks", "nonfinite_events",
-    "resyncs", "resync_s",
+    "resyncs", "resync_s", "exact_buckets",
 )  # fmt: skip
 
 
@@ -62,6 +64,7 @@ class HookSettings(Protocol):
     nonfinite: str
     resync_every: int | None
     divergence_tol: float | None
+    min_bucket_mb: float
 
 
 @dataclass
@@ -84,7 +87,7 @@ class InstalledHook:
         if isinstance(self.state, CerarState):
             stats = self.state.stats
             return {
-                "bytes_sent": float(stats.bytes_sent),
+                "bytes_sent": float(stats.bytes_sent + self.bytes_computed),  # + exact buckets' computed
                 "collectives": float(self.collectives),
                 "encode_s": stats.encode_s,
                 "decode_s": stats.decode_s,
@@ -93,6 +96,7 @@ class InstalledHook:
                 "nonfinite_events": float(stats.nonfinite_events),
                 "resyncs": float(self.state.resyncs),
                 "resync_s": self.state.resync_s,
+                "exact_buckets": float(self.state.exact_buckets),
             }
         # Gloo's own collectives: only the computed bytes and the count are known.
         figures = dict.fromkeys(COUNTERS, 0.0)
@@ -151,6 +155,8 @@ def _ring_bytes(world_size: int, elements: int, element_size: int) -> int:
 
 def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
     """``cerar`` (``perturbed(N, c)``) or ``ring`` (the exact ring on the same transport)."""
+    import torch
+
     from cerar.coding import codes
     from cerar.comm.ddp import CerarState, cerar_hook, ring_hook
 
@@ -159,6 +165,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     state = CerarState(
         code=codes.perturbed(world_size, components) if coded else None,
         nonfinite=config.nonfinite,
+        min_bucket_bytes=round(config.min_bucket_mb * 2**20),  # MB as DDP's bucket_cap_mb: MiB
         resync_every=config.resync_every,
         divergence_tol=config.divergence_tol,
     )
@@ -175,7 +182,12 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
         installed = InstalledHook("ring", True, "ring_hook (exact ring, cerar transport)", state=state)
 
     def count(bucket: dist.GradBucket) -> None:
-        installed.collectives += 2  # the agreement all-reduce (a few doubles) and the ring
+        buffer = bucket.buffer()
+        if buffer.layout == torch.strided and state.exact_path(buffer):  # asked before the hook runs
+            installed.bytes_computed += _ring_bytes(world_size, buffer.numel(), buffer.element_size())
+            installed.collectives += 1  # Gloo's all-reduce
+        else:
+            installed.collectives += 2  # the agreement all-reduce (a few doubles) and the ring
 
     return installed, cerar_hook if coded else ring_hook, state, count
 

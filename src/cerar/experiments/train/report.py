@@ -12,6 +12,13 @@ Predicted saving per step of a method against ``allreduce`` (or ``ring``) in the
 ``(bytes_baseline - bytes_method) / link_rate``, from the bytes each rank sends per step and
 the link rate measured by the launcher's probe. The issue's goal is a measured step-time
 saving of at least 70% of that.
+
+A bucket sweep (``--bucket-cap-mb 1,4,16``) runs every method at every bucket size; each method
+(with its parameter, e.g. ``cerar-c8``) is then also reported at its *best* bucket size, the one
+with the lowest mean step time over its seeds (:func:`best_buckets`), which is how a user would
+tune it. The target validation loss is the tuned exact baseline's (:func:`default_target`:
+``allreduce`` at its best bucket size), so "time to target" is time to quality against a tuned
+uncompressed baseline. With one bucket size all of this is the plain per-run report.
 """
 
 from __future__ import annotations
@@ -21,7 +28,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["RunSummary", "compare", "default_target", "format_table", "noise_spread", "summarize_run"]
+from cerar.experiments.train.config import TrainConfig
+
+__all__ = [
+    "RunSummary",
+    "at_best",
+    "best_buckets",
+    "compare",
+    "default_target",
+    "fmt",
+    "format_table",
+    "noise_spread",
+    "summarize_run",
+]
 
 SKIP_STEPS = 2
 
@@ -32,6 +51,8 @@ class RunSummary:
 
     label: str
     method: str
+    name: str
+    bucket_cap_mb: float
     seed: int
     world_size: int
     description: str
@@ -88,9 +109,12 @@ def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
     compute = per_step("backward_compute_s")
     exposed = per_step("exposed_comm_s")
     counters = [r["counters"] for r in ranks]
+    config = TrainConfig.from_dict(run["config"])
     return RunSummary(
         label=run["label"],
         method=first["method"],
+        name=config.name,
+        bucket_cap_mb=float(config.bucket_cap_mb),  # type: ignore[arg-type]  # one run: one size
         seed=int(run["config"]["seed"]),
         world_size=int(run["world_size"]),
         description=first["description"],
@@ -139,10 +163,26 @@ def noise_spread(summaries: Sequence[RunSummary], method: str = "allreduce") -> 
     return max(losses) - min(losses) if len(losses) >= 2 else None
 
 
-def default_target(runs: Sequence[dict[str, Any]]) -> float | None:
-    """The baseline's quality: mean final validation loss of the ``allreduce`` runs plus their
-    spread (at least 0.01 nats), i.e. "as good as allreduce, within noise"."""
-    finals = [r["ranks"][0]["evals"][-1]["val_loss"] for r in runs if r["ranks"][0]["method"] == "allreduce"]
+def best_buckets(summaries: Sequence[RunSummary]) -> dict[str, float]:
+    """Each method's (:attr:`RunSummary.name`) best bucket size: the lowest step time averaged
+    over its seeds (ties: the smaller size). With one size, that size."""
+    times: dict[str, dict[float, list[float]]] = {}
+    for s in summaries:
+        times.setdefault(s.name, {}).setdefault(s.bucket_cap_mb, []).append(s.step_s)
+    return {name: min(by_cap, key=lambda cap: (_mean(by_cap[cap]), cap)) for name, by_cap in times.items()}
+
+
+def at_best(summaries: Sequence[RunSummary], best: dict[str, float]) -> list[RunSummary]:
+    """The runs at their method's best bucket size (every seed of it)."""
+    return [s for s in summaries if best.get(s.name) == s.bucket_cap_mb]
+
+
+def default_target(summaries: Sequence[RunSummary]) -> float | None:
+    """The tuned exact baseline's quality: mean final validation loss of the ``allreduce`` runs
+    at allreduce's best bucket size plus their seed spread (at least 0.01 nats), i.e. "as good
+    as a tuned allreduce, within noise". ``None`` without allreduce runs."""
+    tuned = [s for s in at_best(summaries, best_buckets(summaries)) if s.method == "allreduce"]
+    finals = [s.final_val_loss for s in tuned]
     if not finals:
         return None
     return _mean(finals) + max(0.01, max(finals) - min(finals))
@@ -153,14 +193,20 @@ def compare(
     link_rate_bytes_per_s: float | None,
     baseline: str = "allreduce",
     only: Sequence[str] | None = None,
+    same_bucket: bool = True,
 ) -> list[dict[str, Any]]:
     """Each run (of the methods in ``only``, default all) against ``baseline``'s run with the
-    same seed: loss difference, measured and predicted step-time saving, and their ratio
-    (``None`` where there is no link rate)."""
+    same seed (and, with ``same_bucket``, the same bucket size; pass the runs at their best
+    buckets and ``same_bucket=False`` for tuned against tuned): loss difference, measured and
+    predicted step-time saving, and their ratio (``None`` where there is no link rate)."""
     rows = []
-    base_by_seed = {s.seed: s for s in summaries if s.method == baseline}
+
+    def key(s: RunSummary) -> tuple[int, float | None]:
+        return (s.seed, s.bucket_cap_mb if same_bucket else None)
+
+    base_by_seed = {key(s): s for s in summaries if s.method == baseline}
     for s in summaries:
-        base = base_by_seed.get(s.seed)
+        base = base_by_seed.get(key(s))
         if base is None or s.method == baseline or (only is not None and s.method not in only):
             continue
         measured = base.step_s - s.step_s
@@ -182,7 +228,8 @@ def compare(
     return rows
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``-`` for None and NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, spec)
@@ -195,6 +242,7 @@ def format_table(
     spread: float | None,
     comparisons: Sequence[dict[str, Any]] = (),
     link_rate_bytes_per_s: float | None = None,
+    target_rule: str = "allreduce's mean final loss plus its seed spread",
 ) -> str:
     """The summary table as text (also valid Markdown)."""
     header = (
@@ -205,14 +253,14 @@ def format_table(
     for s in summaries:
         kind = "measured" if s.bytes_measured else "computed"
         lines.append(
-            f"| {s.label} | {s.final_val_loss:.4f} | {_fmt(s.time_to_target_s, '.1f')} | {s.train_time_s:.1f} "
+            f"| {s.label} | {s.final_val_loss:.4f} | {fmt(s.time_to_target_s, '.1f')} | {s.train_time_s:.1f} "
             f"| {1e3 * s.step_s:.1f} | {1e3 * s.exposed_comm_s:.1f} | {s.bytes_per_step / 1e6:.3f} ({kind}) "
             f"| {s.max_divergence:.2e} | {s.nonfinite_events} | {s.resyncs} |"
         )
     notes = [
         "",
-        f"target validation loss: {_fmt(target, '.4f')} (allreduce's mean final loss plus its seed spread)",
-        f"noise yardstick (allreduce, spread of final val loss over seeds): {_fmt(spread, '.4f')}",
+        f"target validation loss: {fmt(target, '.4f')} ({target_rule})",
+        f"noise yardstick (allreduce, spread of final val loss over seeds): {fmt(spread, '.4f')}",
     ]
     if link_rate_bytes_per_s:
         notes.append(f"link rate measured by the launcher's probe: {link_rate_bytes_per_s / 1e6:.1f} MB/s per rank")
@@ -225,7 +273,7 @@ def format_table(
     drifting = [s for s in summaries if s.max_divergence > 0]
     for s in drifting:
         notes.append(
-            f"replica divergence of {s.label}: exact at the end {_fmt(s.exact_final_divergence, '.2e')}"
+            f"replica divergence of {s.label}: exact at the end {fmt(s.exact_final_divergence, '.2e')}"
             f" (sketch {s.final_divergence:.2e}); largest in {s.divergence_where or '-'}"
         )
     if comparisons:
@@ -238,8 +286,8 @@ def format_table(
         for c in comparisons:
             predicted = None if c["predicted_saving_s"] is None else 1e3 * c["predicted_saving_s"]
             notes.append(
-                f"| {c['label']} vs {c['baseline']} | {c['val_loss_diff']:+.4f} | {_fmt(c['byte_ratio'], '.3f')} "
-                f"| {1e3 * c['measured_saving_s']:+.1f} | {_fmt(predicted, '+.1f')} "
-                f"| {_fmt(c['saving_ratio'], '.2f')} |"
+                f"| {c['label']} vs {c['baseline']} | {c['val_loss_diff']:+.4f} | {fmt(c['byte_ratio'], '.3f')} "
+                f"| {1e3 * c['measured_saving_s']:+.1f} | {fmt(predicted, '+.1f')} "
+                f"| {fmt(c['saving_ratio'], '.2f')} |"
             )
     return "\n".join(lines + notes)
