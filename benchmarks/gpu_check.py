@@ -1,0 +1,127 @@
+"""CERAR's per-rank compute on a CUDA device: encode, decode and the 16-bit casts, timed against a
+device-to-device copy of the same bytes, and checked against the CPU path.
+
+    python benchmarks/gpu_check.py                    # N = 4, c = 8, 16/64/256 MB
+    python benchmarks/gpu_check.py -N 8 -c 16 --sizes 16,64
+
+One process, no process group: the work a rank does besides moving bytes is the same whatever
+the network. For each message size (MB of float32) and a middle rank (the worst decoder):
+
+* encode: all ``L = c + N - 2`` increment rows times the rank's ``c x m`` data, one matrix
+  product per block of rounds as the collective does (``cerar.comm.algorithms``);
+* decode: ``own <- D_own @ own + D_obs @ observations`` in float64, in column chunks, with the
+  collective's own ``_decode_into``;
+* casts: float32 -> float16 -> float32 and float32 -> bfloat16 -> float32 of the whole message;
+* copy: ``dst.copy_(src)`` of the same number of bytes, the floor any of these is measured against.
+
+Each figure is the median of ``--iters`` runs timed with CUDA events. The CPU check runs the same
+encode and decode on the CPU and prints the largest relative difference (float32 encode: ~1e-6;
+the float64 decode, written back in float32: ~1e-7). Exits 0 with a note when no CUDA device
+is present (CI never needs one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from cerar import codes
+from cerar.comm.algorithms import _decode_into, _torch_plan, encode_block_size
+
+
+def _timed(fn, iters: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on a GPU, the wall clock on the CPU), after
+    one warm-up run."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - began))
+    return statistics.median(times)
+
+
+def _encode(plan, own: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
+    rounds = plan.increments.shape[0]
+    for start in range(0, rounds, block):
+        stop = min(start + block, rounds)
+        torch.mm(plan.increments[start:stop], own, out=out[start:stop])
+    return out
+
+
+def check_size(code, rank: int, size_mb: float, iters: int, device: str = "cuda") -> dict[str, float]:
+    """One row of the table: times in ms and the device-vs-CPU relative differences."""
+    c, n_ranks = code.components, code.world_size
+    m = int(size_mb * (1 << 20)) // 4 // c
+    gpu = torch.device(device)
+    generator = torch.Generator().manual_seed(m)
+    own_cpu = torch.randn(c, m, generator=generator)
+    obs_cpu = torch.randn(c, m, generator=generator)
+    plan_gpu = _torch_plan(code, rank, torch.float32, gpu)
+    plan_cpu = _torch_plan(code, rank, torch.float32, torch.device("cpu"))
+    rounds = plan_gpu.increments.shape[0]
+    block = encode_block_size(n_ranks, rounds)
+    own, obs = own_cpu.to(gpu), obs_cpu.to(gpu)
+    increments = torch.empty(rounds, m, device=gpu)
+    row = {"size_mb": size_mb}
+    row["copy_ms"] = _timed(lambda: torch.empty_like(own).copy_(own), iters, gpu)
+    row["encode_ms"] = _timed(lambda: _encode(plan_gpu, own, block, increments), iters, gpu)
+    work = own.clone()
+    row["decode_ms"] = _timed(lambda: (work.copy_(own), _decode_into(work, obs, plan_gpu)), iters, gpu)
+    row["fp16_cast_ms"] = _timed(lambda: own.to(torch.float16).to(torch.float32), iters, gpu)
+    row["bf16_cast_ms"] = _timed(lambda: own.to(torch.bfloat16).to(torch.float32), iters, gpu)
+    # The same arithmetic on the CPU: the device path must agree with it.
+    increments_cpu = _encode(plan_cpu, own_cpu, block, torch.empty(rounds, m))
+    decoded_cpu = own_cpu.clone()
+    _decode_into(decoded_cpu, obs_cpu, plan_cpu)
+    _encode(plan_gpu, own, block, increments)
+    work.copy_(own)
+    _decode_into(work, obs, plan_gpu)
+    row["encode_rel_diff"] = float((increments.cpu() - increments_cpu).norm() / increments_cpu.norm())
+    row["decode_rel_diff"] = float((work.cpu() - decoded_cpu).norm() / decoded_cpu.norm())
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-N", "--world-size", type=int, default=4)
+    parser.add_argument("-c", "--components", type=int, default=8)
+    parser.add_argument("--sizes", default="16,64,256", help="message sizes in MB (float32)")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (run it where one is at hand).")
+        return 0
+    code = codes.perturbed(args.world_size, args.components)
+    rank = args.world_size // 2
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {code!r}, rank {rank}")
+    header = ("size MB", "copy ms", "encode ms", "x copy", "decode ms", "x copy", "fp16 cast", "bf16 cast",
+              "encode diff", "decode diff")  # fmt: skip
+    print(" | ".join(header))
+    for size in (int(s) for s in args.sizes.split(",")):
+        r = check_size(code, rank, size, args.iters)
+        print(
+            f"{size} | {r['copy_ms']:.3f} | {r['encode_ms']:.3f} | {r['encode_ms'] / r['copy_ms']:.1f} | "
+            f"{r['decode_ms']:.3f} | {r['decode_ms'] / r['copy_ms']:.1f} | {r['fp16_cast_ms']:.3f} | "
+            f"{r['bf16_cast_ms']:.3f} | {r['encode_rel_diff']:.1e} | {r['decode_rel_diff']:.1e}"
+        )
+        if r["encode_rel_diff"] > 1e-4 or r["decode_rel_diff"] > 1e-6:
+            print("gpu_check: the device path disagrees with the CPU path", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
