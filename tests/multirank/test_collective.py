@@ -243,7 +243,7 @@ def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
     import cerar.comm.transport as transport
 
     if rank == 2:
-        original = transport._wait
+        original = transport.wait_for
 
         def faulty(work: dist.Work, ring: transport.Ring, round_index: int) -> None:
             if round_index == 3:  # mid-call, after two rounds
@@ -252,7 +252,7 @@ def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
                 os._exit(3)
             original(work, ring, round_index)
 
-        transport._wait = faulty
+        transport.wait_for = faulty
     x = torch.randn(100_000)
     started = time.monotonic()
     try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cerar.coding.code import Code
+from cerar.comm.handshake import FlagChain, all_finite
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Ring, run_rounds, segments
 from cerar.protocol.schedule import Schedule
@@ -62,9 +63,17 @@ def encode_block_size(world_size: int, rounds: int) -> int:
     return max(1, min(rounds, math.ceil(world_size / 2)))
 
 
-def run_cerar(flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats) -> torch.Tensor:
+def run_cerar(
+    flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats, flags: FlagChain | None = None
+) -> list[int]:
     """Run CERAR on this rank's contiguous 1-d ``flat`` (float32 or float64) and write the
-    decoded sum into it. Returns ``flat``. ``stats`` accumulates the call's figures."""
+    decoded sum into it. ``stats`` accumulates the call's figures.
+
+    With ``flags``, each rank checks its input for NaN/Inf while round 1 is on the wire and the
+    flags travel beside rounds ``2 .. N`` (:class:`cerar.comm.handshake.FlagChain`); if any rank
+    is flagged, no rank decodes and ``flat`` keeps its input (the caller raises or falls back).
+    Returns the flagged group ranks (empty: ``flat`` holds the sum).
+    """
     # Longer than most functions on purpose: the four callbacks of the round engine below share
     # this call's buffers, plan and block bounds; split apart, they would need an object that
     # holds one call's state, and the critical path (prepare) would pay attribute look-ups.
@@ -90,6 +99,7 @@ def run_cerar(flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats) -> t
     first_round = [start + 1 for start, _ in bounds]
     buffers = [WORKSPACE.get(f"increments{i}", (block, m), dtype, device) for i in range(2)]
     timing = {"encode": 0.0, "decode": 0.0}
+    decision: dict[str, list[int]] = {}  # the flagged ranks, once every rank's flag is in
 
     def encode(k: int) -> torch.Tensor:
         began = time.perf_counter()
@@ -110,6 +120,8 @@ def run_cerar(flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats) -> t
         return observations[slot, a:b] if slot >= 0 else scratch[t % 2, a:b]
 
     def prepare(t: int, a: int, b: int) -> torch.Tensor:
+        if flags is not None and t > 1 and a == 0:
+            flags.step(t)  # this round's hop of the flags, beside its first piece
         k = block_of_round[t - 1]
         increment = blocks[k][t - 1 - bounds[k][0], a:b]
         out = send[t % 2, a:b]
@@ -120,13 +132,17 @@ def run_cerar(flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats) -> t
         return out
 
     def posted(t: int) -> None:
+        if flags is not None and t == 1:
+            flags.set_own(all_finite(own))  # one pass over the input, while round 1 is on the wire
         k = block_of_round[t - 1]
         if t == first_round[k] and k + 1 < len(bounds):
             blocks.pop(k - 1, None)  # its rounds are all prepared: its buffer is free
             blocks[k + 1] = encode(k + 1)
 
     def received(t: int, a: int, b: int) -> None:
-        if t == rounds:  # this piece's observations are complete: decode it
+        if t == rounds and "flagged" not in decision:
+            decision["flagged"] = flags.flagged(rounds + 1) if flags is not None else []
+        if t == rounds and not decision["flagged"]:  # this piece's observations are complete: decode it
             began = time.perf_counter()
             _decode_into(own[:, a:b], observations[:, a:b], plan)
             timing["decode"] += time.perf_counter() - began
@@ -135,9 +151,11 @@ def run_cerar(flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats) -> t
     stats.encode_s += timing["encode"]
     stats.decode_s += timing["decode"]
     stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-    if padded is not flat:
+    if "flagged" not in decision:  # no piece at all (an empty tensor): nothing was decoded
+        decision["flagged"] = flags.flagged(rounds + 1) if flags is not None else []
+    if padded is not flat and not decision["flagged"]:
         flat.copy_(padded[:d])
-    return flat
+    return decision["flagged"]
 
 
 def _decode_into(own: torch.Tensor, observations: torch.Tensor, plan: _TorchPlan) -> None:

@@ -9,14 +9,20 @@ every rank; :func:`shutdown` stops it (also at interpreter exit). They must come
 Python thread at a time: a call from a second thread while the first one's calls are in
 flight raises ``RuntimeError``.
 
-Every call starts with one tiny agreement step (an all-reduce of a few numbers) that
+Every call starts with a handshake over the ring's own point-to-point links
+(:mod:`cerar.comm.handshake`; no collective, so none can pair with the program's own collectives
+on the group) that
 
 * checks that every rank runs the same call: the same code (N, c, construction, parameters,
-  decoder), packet dtype, size, op and non-finite policy; any mismatch raises
-  :class:`SettingsMismatchError` with the same message on every rank instead of a hang;
-* carries each rank's non-finite flag (mixing spreads one NaN across the ``c`` components of
-  its column on every rank, so it is checked before encoding) and, for float16 wires, the
-  largest magnitude.
+  decoder), packet dtype, size, op and non-finite policy, and the same call number on the group;
+  any mismatch raises :class:`SettingsMismatchError` with the same message on every rank, before
+  any data moves, instead of a hang or a wrong sum;
+* for float16 wires, carries the largest magnitude for the scaling.
+
+CERAR's non-finite check then runs while round 1 is on the wire and its flags travel beside
+rounds ``2 .. N`` (mixing would spread one NaN across the ``c`` components of its column on every
+rank): every rank knows every rank's flag before decoding, decides the same, and its input is
+still intact for ``nonfinite="exact"``'s fallback.
 
 A dead or stuck peer makes the ring's point-to-point waits fail within the process group's
 timeout (``init_process_group(timeout=...)``) on every surviving rank.
@@ -26,11 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
+import math
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +46,7 @@ from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.coding.precision import float16_scale
 from cerar.comm.algorithms import run_cerar, run_ring
+from cerar.comm.handshake import FlagChain, SettingsMismatchError, handshake, settings_hash
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Ring
@@ -63,10 +69,6 @@ __all__ = [
 
 class NonFiniteError(ValueError):
     """Some rank's input held NaN or Inf and the policy was ``nonfinite="raise"``."""
-
-
-class SettingsMismatchError(ValueError):
-    """Ranks called the collective with different codes, dtypes, sizes or options."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def ring_all_reduce(
     ring = _ring(group)
     if ring is None:
         return None
-    job = functools.partial(_ring_call, tensor.detach(), reduce_op, ring, wire_dtype, stats)  # see all_reduce
+    job = functools.partial(_ring_call, tensor.detach(), reduce_op, ring, wire_dtype, stats)  # as above
     return COMM.submit(job, tensor, async_op)
 
 
@@ -203,16 +205,25 @@ def shutdown(timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
 
 _GROUP_STATS: dict[Any, CommStats] = {}
 _STATS_LOCK = threading.Lock()
+_CALLS: dict[Any, int] = {}  # cerar calls made on each group by this process
+
+
+def _count_call(group: dist.ProcessGroup | None) -> int:
+    """Count a call on ``group`` and return its number, on the communication thread when the
+    call starts: the calls accepted by this process, in the order they run. A call that fails
+    on one rank before its handshake (its input copy runs out of memory, say) still counts
+    there, so the ranks' next call has different numbers and the handshake raises on every rank
+    instead of pairing it with the others' earlier call. (A call refused up front, on the
+    caller's thread, is not counted: it was never accepted, on any rank.)"""
+    key = id(dist.group.WORLD if group is None else group)  # None and WORLD are one group
+    with _STATS_LOCK:
+        number = _CALLS.get(key, 0) + 1
+        _CALLS[key] = number
+        return number
 
 
 # ---------------------------------------------------------------------------------------------
 # The calls (run on the communication thread)
-
-
-@dataclass(frozen=True)
-class _Agreement:
-    nonfinite_ranks: list[int]
-    max_abs: float
 
 
 @contextlib.contextmanager
@@ -236,6 +247,7 @@ def _cerar_call(
     nonfinite: str,
     stats: CommStats | None,
 ) -> None:
+    counter = _count_call(ring.group)
     with _recorded(ring, stats) as call, _Working(tensor) as flat:
         if ring.size == 1:
             return
@@ -243,26 +255,31 @@ def _cerar_call(
         code = code if code is not None else default_code(ring.size, precision)
         identity = ("cerar", code.fingerprint, str(flat.dtype), flat.numel(), op, nonfinite)
         summary = f"{code!r}, packets {flat.dtype}, size {flat.numel()}, op {op}, nonfinite={nonfinite!r}"
-        agreed = _agree(ring, identity, summary, flat, check_finite=nonfinite != "ignore", want_max=False)
-        if agreed.nonfinite_ranks:
+        handshake(ring, settings_hash(identity), counter, summary, device=flat.device)
+        flags = FlagChain(ring, flat.device) if nonfinite != "ignore" else None
+        flagged = run_cerar(flat, code, ring, call, flags)
+        if flagged:  # the same list on every rank, and every rank's input is intact
             call.nonfinite_events += 1
             if nonfinite == "raise":
                 raise NonFiniteError(
-                    f"cerar.all_reduce: NaN or Inf in the input of rank(s) {agreed.nonfinite_ranks} "
+                    f"cerar.all_reduce: NaN or Inf in the input of rank(s) {flagged} "
                     f"(group ranks); CERAR's mixing would spread it across its column (all c components) "
                     f"on every rank. Pass nonfinite='exact' to fall back to the exact ring instead."
                 )
             call.fallbacks += 1
             run_ring(flat, ring, call)
-        else:
-            run_cerar(flat, code, ring, call)
         if op == "avg":
             flat.div_(ring.size)
 
 
 def _ring_call(
-    tensor: torch.Tensor, op: str, ring: Ring, wire_dtype: torch.dtype | None, stats: CommStats | None
+    tensor: torch.Tensor,
+    op: str,
+    ring: Ring,
+    wire_dtype: torch.dtype | None,
+    stats: CommStats | None,
 ) -> None:
+    counter = _count_call(ring.group)
     with _recorded(ring, stats) as call, _Working(tensor) as flat:
         if ring.size == 1:
             return
@@ -270,58 +287,22 @@ def _ring_call(
         identity = ("ring", str(flat.dtype), str(wire), flat.numel(), op)
         summary = f"exact ring, values {flat.dtype}, wire {wire}, size {flat.numel()}, op {op}"
         needs_scale = wire == torch.float16
-        agreed = _agree(ring, identity, summary, flat, check_finite=needs_scale, want_max=needs_scale)
-        scale = 1.0
-        if needs_scale and not agreed.nonfinite_ranks:
-            scale = float16_scale(ring.size, agreed.max_abs)
+        # float16 needs every rank's largest magnitude before its first round: one pass here
+        # (aminmax), carried by the handshake; NaN/Inf make it infinite and the scaling is skipped.
+        max_abs = _max_abs(flat) if needs_scale else 0.0
+        agreed_max, _ = handshake(ring, settings_hash(identity), counter, summary, max_abs=max_abs, device=flat.device)
+        scale = float16_scale(ring.size, agreed_max) if needs_scale and math.isfinite(agreed_max) else 1.0
         run_ring(flat, ring, call, wire_dtype=wire_dtype, scale=scale)
         if op == "avg":
             flat.div_(ring.size)
 
 
-def _agree(
-    ring: Ring,
-    identity: tuple[Any, ...],
-    summary: str,
-    flat: torch.Tensor,
-    *,
-    check_finite: bool,
-    want_max: bool,
-) -> _Agreement:
-    """One all-reduce(MAX) of ``[h, -h, max|x|, flag_0..flag_{N-1}]``: equal hashes on every
-    rank iff ``max(h) == -max(-h)``; flags name the ranks with non-finite input."""
-    digest = hashlib.sha256(repr(identity).encode()).digest()
-    h = float(int.from_bytes(digest[:6], "big"))  # 48 bits: exact in float64
-    values = torch.zeros(3 + ring.size, dtype=torch.float64)
-    values[0], values[1] = h, -h
-    if check_finite or want_max:
-        finite = _all_finite(flat) if check_finite else True
-        values[3 + ring.rank] = 0.0 if finite else 1.0
-        if want_max and finite and flat.numel():
-            low, high = torch.aminmax(flat)
-            values[2] = max(abs(float(low)), abs(float(high)))
-    values = values.to(flat.device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=ring.group)
-    values = values.cpu()
-    if values[0].item() != -values[1].item():
-        _raise_mismatch(ring, summary)
-    bad = [r for r in range(ring.size) if values[3 + r].item() > 0]
-    return _Agreement(nonfinite_ranks=bad, max_abs=float(values[2].item()))
-
-
-def _all_finite(flat: torch.Tensor) -> bool:
-    # A NaN/Inf input makes the sum non-finite, so a finite sum proves a finite input at a
-    # fraction of isfinite().all()'s cost; a non-finite sum (or an overflow) is confirmed.
-    if torch.isfinite(flat.sum()):
-        return True
-    return bool(torch.isfinite(flat).all())
-
-
-def _raise_mismatch(ring: Ring, summary: str) -> None:
-    summaries: list[Any] = [None] * ring.size
-    dist.all_gather_object(summaries, summary, group=ring.group)
-    lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(summaries))
-    raise SettingsMismatchError(f"cerar: ranks called the collective with different settings: {lines}")
+def _max_abs(flat: torch.Tensor) -> float:
+    if not flat.numel():
+        return 0.0
+    low, high = torch.aminmax(flat)
+    value = max(abs(float(low)), abs(float(high)))
+    return value if math.isfinite(value) else math.inf
 
 
 class _Working:

@@ -90,14 +90,21 @@ def _ring_error(ring: Ring, round_index: int, exc: BaseException) -> RingError:
     )
 
 
-def _wait(work: dist.Work, ring: Ring, round_index: int) -> None:
+def wait_for(work: dist.Work, ring: Ring, round_index: int) -> None:
+    """Wait for one posted message; a failure becomes :class:`RingError` naming the round."""
     try:
         work.wait()
     except RuntimeError as exc:
         raise _ring_error(ring, round_index, exc) from exc
 
 
-def _post_pair(send: torch.Tensor, recv: torch.Tensor, ring: Ring, round_index: int) -> tuple[dist.Work, dist.Work]:
+#: The tag of cerar's data messages (a program's own point-to-point messages use 0 by default).
+DATA_TAG = 0x0CE0
+
+
+def post_pair(
+    send: torch.Tensor, recv: torch.Tensor, ring: Ring, round_index: int, tag: int = DATA_TAG
+) -> tuple[dist.Work, dist.Work]:
     """Post one piece's receive and send together, as one batch: ``(recv_work, send_work)``.
 
     NCCL's maintainers advise grouping a ring step's send with the receive it pairs with
@@ -107,8 +114,8 @@ def _post_pair(send: torch.Tensor, recv: torch.Tensor, ring: Ring, round_index: 
     peer's receive), so the speed is unchanged.
     """
     ops = [
-        dist.P2POp(dist.irecv, recv, ring.recv_from, ring.group),
-        dist.P2POp(dist.isend, send, ring.send_to, ring.group),
+        dist.P2POp(dist.irecv, recv, ring.recv_from, ring.group, tag),
+        dist.P2POp(dist.isend, send, ring.send_to, ring.group, tag),
     ]
     # Posting to a pair whose peer has already gone raises at once rather than on wait.
     try:
@@ -163,23 +170,23 @@ def run_rounds(
     for t in range(1, rounds + 1):
         for s, (a, b) in enumerate(pieces):
             if t > 1:
-                _wait(recvs.pop((t - 1, s)), ring, t - 1)
+                wait_for(recvs.pop((t - 1, s)), ring, t - 1)
                 if received is not None:
                     received(t - 1, a, b)
             old = sends.pop((t - 2, s), None)
             if old is not None:
-                _wait(old, ring, t - 2)
+                wait_for(old, ring, t - 2)
             send = prepare(t, a, b)
             recv = target(t, a, b)
-            recvs[(t, s)], sends[(t, s)] = _post_pair(send, recv, ring, t)
+            recvs[(t, s)], sends[(t, s)] = post_pair(send, recv, ring, t)
             stats.bytes_sent += send.numel() * send.element_size()
             stats.bytes_received += recv.numel() * recv.element_size()
         stats.rounds += 1
         if posted is not None:
             posted(t)
     for s, (a, b) in enumerate(pieces):
-        _wait(recvs.pop((rounds, s)), ring, rounds)
+        wait_for(recvs.pop((rounds, s)), ring, rounds)
         if received is not None:
             received(rounds, a, b)
     for (t, _), work in sorted(sends.items()):
-        _wait(work, ring, t)
+        wait_for(work, ring, t)

@@ -187,7 +187,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
             installed.bytes_computed += _ring_bytes(world_size, buffer.numel(), buffer.element_size())
             installed.collectives += 1  # Gloo's all-reduce
         else:
-            installed.collectives += 2  # the agreement all-reduce (a few doubles) and the ring
+            installed.collectives += 1  # the ring (its handshake rides on the same point-to-point links)
 
     return installed, cerar_hook if coded else ring_hook, state, count
 

@@ -1,0 +1,175 @@
+"""The per-call handshake (cerar.comm.handshake): no collective of cerar's on the caller's group,
+call counts checked, non-finite decisions identical on every rank."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cerar
+from cerar.coding import codes
+from cerar.comm import handshake
+from cerar.comm.stats import CommStats
+from multirank import RankFailure, check, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def _alternation_worker(rank: int, world: int) -> list[str]:
+    """An async cerar call, then the program's own all-reduce on the same (default) group from
+    the main thread while cerar's is in flight, 20 times: both results must be right."""
+    failures = []
+    code = codes.perturbed(world, 2 * world)
+    bound = 10 * float(max(code.error_bound)) + 1e-5
+    for i in range(20):
+        x = torch.full((50_000,), float(rank + i))
+        expected = float(sum(r + i for r in range(world)))
+        work = cerar.all_reduce(x, code=code, async_op=True)
+        y = torch.full((1000 + i,), float(rank))
+        dist.all_reduce(y)
+        work.wait()
+        if not torch.allclose(y, torch.full_like(y, float(sum(range(world))))):
+            failures.append(f"iteration {i}: dist.all_reduce gave {y[0].item()}")
+        error = float((x - expected).abs().max()) / expected if expected else float(x.abs().max())
+        if error > bound:
+            failures.append(f"iteration {i}: cerar error {error:.2e} > {bound:.2e}")
+    return failures
+
+
+def test_async_cerar_call_beside_the_programs_own_collective_20_times() -> None:
+    for failures in check(run_ranks(_alternation_worker, 4, timeout=120)):
+        assert failures == []
+
+
+def _skipped_call_worker(rank: int, world: int) -> str:
+    code = codes.perturbed(world, 8)
+    cerar.all_reduce(torch.ones(100), code=code)
+    if rank != 1:  # rank 1 skips this call: its next one (another size) meets it
+        cerar.all_reduce(torch.ones(200), code=code)
+    cerar.all_reduce(torch.ones(100), code=code)
+    return "no error"
+
+
+def test_a_skipped_call_raises_on_every_rank() -> None:
+    results = run_ranks(_skipped_call_worker, 3, timeout=60, pg_timeout=20)
+    messages = set()
+    for r in results:
+        assert isinstance(r, RankFailure) and r.type_name == "SettingsMismatchError", r
+        assert "size 100" in r.message and "size 200" in r.message
+        messages.add(r.message)
+    assert len(messages) == 1
+
+
+def _lost_call_worker(rank: int, world: int) -> str:
+    """Rank 1's second call fails on its communication thread before its handshake (as when
+    copying a non-contiguous input runs out of memory); the others' second call waits for it."""
+    from cerar.comm import collective
+
+    code = codes.perturbed(world, 8)
+    cerar.all_reduce(torch.ones(100), code=code)
+    if rank == 1:
+        original = collective._Working
+
+        def failing(tensor: torch.Tensor) -> object:
+            collective._Working = original
+            raise MemoryError("simulated: no memory for the working copy")
+
+        collective._Working = failing
+        with pytest.raises(MemoryError):
+            cerar.all_reduce(torch.ones(100), code=code)
+    else:
+        cerar.all_reduce(torch.ones(100), code=code)
+    cerar.all_reduce(torch.ones(100), code=code)
+    return "no error"
+
+
+def test_a_call_lost_on_one_rank_raises_on_every_rank_at_the_next_meeting() -> None:
+    results = run_ranks(_lost_call_worker, 3, timeout=60, pg_timeout=20)
+    messages = set()
+    for r in results:
+        assert isinstance(r, RankFailure) and r.type_name == "SettingsMismatchError", r
+        assert "different call counts" in r.message and "call #2" in r.message and "call #3" in r.message
+        messages.add(r.message)
+    assert len(messages) == 1
+
+
+def _mismatch_then_recover_worker(rank: int, world: int) -> tuple[str, float]:
+    code = codes.perturbed(world, 8)
+    try:
+        cerar.all_reduce(torch.ones(100 + (rank == 0)), code=code)
+        first = "no error"
+    except handshake.SettingsMismatchError:
+        first = "SettingsMismatchError"
+    # Nothing moved before the error: the next well-formed call works on every rank.
+    x = torch.ones(100)
+    cerar.all_reduce(x, code=code)
+    return first, float(x.mean())
+
+
+def test_a_mismatch_moves_no_data_and_the_next_call_works() -> None:
+    for first, mean in check(run_ranks(_mismatch_then_recover_worker, 4, timeout=60, pg_timeout=20)):
+        assert first == "SettingsMismatchError"
+        assert mean == pytest.approx(4.0, rel=1e-3)
+
+
+def _flag_worker(rank: int, world: int, c: int) -> tuple[str, list[int], bool]:
+    """NaN on rank 2 only; the policy "exact" must fall back on every rank, together."""
+    x = torch.ones(1000)
+    if rank == 2:
+        x[5] = float("nan")
+    stats = CommStats()
+    cerar.all_reduce(x, code=codes.perturbed(world, c), nonfinite="exact", stats=stats)
+    nan = torch.isnan(x)
+    counts = f"fallbacks={stats.fallbacks} events={stats.nonfinite_events}"
+    return counts, torch.nonzero(nan).flatten().tolist(), bool(torch.all(x[~nan] == world))
+
+
+@pytest.mark.parametrize("c", [8, 1])  # c = 1: N - 1 rounds, fewer than the flag hops
+def test_nonfinite_decision_is_the_same_on_every_rank(c: int) -> None:
+    for counts, nan, exact_elsewhere in check(run_ranks(_flag_worker, 4, c, timeout=60)):
+        assert counts == "fallbacks=1 events=1"
+        assert nan == [5]
+        assert exact_elsewhere
+
+
+def _flag_chain_worker(rank: int, world: int) -> list[int]:
+    """The chain alone, with fewer data rounds than hops (flagged() runs the rest)."""
+    from cerar.comm.transport import Ring
+
+    ring = Ring.of(None)
+    chain = handshake.FlagChain(ring, torch.device("cpu"))
+    chain.set_own(rank not in (1, 3))
+    chain.step(2)  # one hop carried by a "data round"; the other N-2 run in flagged()
+    return chain.flagged(3)
+
+
+def test_flag_chain_gives_every_rank_every_flag() -> None:
+    for flagged in check(run_ranks(_flag_chain_worker, 5, timeout=60)):
+        assert flagged == [1, 3]
+
+
+def _no_collective_worker(rank: int, world: int) -> int:
+    """Count the collectives cerar issues on the caller's group: there must be none."""
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        if threading.current_thread().name == "cerar-comm":
+            calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        for _ in range(3):
+            cerar.all_reduce(torch.randn(10_000), code=codes.perturbed(world, 8))
+            cerar.ring_all_reduce(torch.randn(10_000), wire_dtype=torch.float16)
+    finally:
+        dist.all_reduce = original
+    return len(calls)
+
+
+def test_no_collective_runs_on_the_communication_thread() -> None:
+    assert check(run_ranks(_no_collective_worker, 3, timeout=60)) == [0, 0, 0]
