@@ -12,8 +12,20 @@ from collections.abc import Iterable
 from typing import Any
 
 
-def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
-    """Return ``value`` as an ``int`` after checking it is a true integer (not a bool)."""
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` after checking it is a ``bool`` (not 0, 1 or None)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"Argument '{name}' must be a bool, not {value!r}.")
+    return value
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, optional: bool = False) -> int | None:
+    """Return ``value`` as an ``int`` after checking it is a true integer (not a bool).
+
+    ``optional=True`` lets ``None`` through (a setting that is off).
+    """
+    if optional and value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"Argument '{name}' must be an integer, not {value!r}.")
     value = int(value)
@@ -29,8 +41,14 @@ def check_float(
     positive: bool = False,
     nonnegative: bool = False,
     maximum: float | None = None,
-) -> float:
-    """Return ``value`` as a finite ``float``; reject bools, NaN and infinities."""
+    optional: bool = False,
+) -> float | None:
+    """Return ``value`` as a finite ``float``; reject bools, NaN and infinities.
+
+    ``optional=True`` lets ``None`` through (a setting that is off).
+    """
+    if optional and value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"Argument '{name}' must be a real number, not {value!r}.")
     value = float(value)

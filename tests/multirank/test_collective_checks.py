@@ -23,7 +23,8 @@ from torch import nn
 
 import cerar
 from cerar.coding import codes
-from cerar.comm.collective import _check_op, _overlaps_itself
+from cerar.comm.call_checks import check_op as _check_op
+from cerar.comm.call_checks import overlaps_itself as _overlaps_itself
 from cerar.comm.ddp import CerarState, cerar_hook
 from multirank import check, run_ranks
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cerar._checks import check_choice, check_int
+from cerar._checks import check_bool, check_choice, check_int
 from cerar.coding import seam
 from cerar.coding.code_json import CodeJson
 from cerar.coding.decoders import (
@@ -91,8 +91,7 @@ class Code(CodeJson):
         self.params: dict[str, Any] = dict(params or {})
         self.reference = check_choice("reference", reference, REFERENCES)
         self._nodes = _nodes
-        if not isinstance(spread_seam, bool):
-            raise TypeError(f"Argument 'spread_seam' must be a bool, not {spread_seam!r}.")
+        check_bool("spread_seam", spread_seam)
         self.spread_seam = spread_seam
         self._offsets: np.ndarray | None = None
         if spread_seam:

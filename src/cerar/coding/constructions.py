@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from cerar._checks import check_float, check_int
+from cerar._checks import check_bool, check_float, check_int
 from cerar.coding.code import Code, SingularCodeError
 from cerar.coding.precision import precision_name
 from cerar.coding.search import minimise_log_parameter
@@ -162,8 +162,7 @@ def perturbed(
             ``params`` records ``spread_seam: True``.
     """
     world_size, components, precision = check_design(world_size, components, precision)
-    if not isinstance(spread_seam, bool):
-        raise TypeError(f"Argument 'spread_seam' must be a bool, not {spread_seam!r}.")
+    check_bool("spread_seam", spread_seam)
     clustered = components > world_size
     if delta is None:
         delta = _tuned_delta(world_size, components, precision, reference, spread_seam) if clustered else 0.0

@@ -46,6 +46,7 @@ from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.coding.precision import float16_scale
 from cerar.comm.algorithms import run_cerar, run_ring
+from cerar.comm.call_checks import check_bool, check_op, check_stats, check_tensor
 from cerar.comm.handshake import FlagChain, SettingsMismatchError, handshake, settings_hash
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
@@ -106,13 +107,13 @@ def all_reduce(
             components of its position, on every rank).
         stats: a :class:`cerar.comm.stats.CommStats` that this call's figures are added to.
     """
-    _check_tensor(tensor)
-    reduce_op = _check_op(op)
-    async_op = _check_bool("async_op", async_op)
+    check_tensor(tensor)
+    reduce_op = check_op(op)
+    async_op = check_bool("async_op", async_op)
     nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     if code is not None and not isinstance(code, Code):
         raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(code).__name__}.")
-    _check_stats(stats)
+    check_stats(stats)
     ring = _ring(group)
     if ring is None:
         return None
@@ -142,15 +143,15 @@ def ring_all_reduce(
     divide by a power of two so that ``N * M`` maps to about ``2**14`` (which also keeps small
     gradients out of float16's subnormal range), then multiply back; the scaling is exact.
     """
-    _check_tensor(tensor)
-    reduce_op = _check_op(op)
-    async_op = _check_bool("async_op", async_op)
+    check_tensor(tensor)
+    reduce_op = check_op(op)
+    async_op = check_bool("async_op", async_op)
     if wire_dtype not in (None, torch.float32, torch.float64, torch.float16, torch.bfloat16):
         raise ValueError(
             f"Argument 'wire_dtype' must be None, torch.float32, torch.float64, torch.float16 or "
             f"torch.bfloat16, not {wire_dtype!r}."
         )
-    _check_stats(stats)
+    check_stats(stats)
     ring = _ring(group)
     if ring is None:
         return None
@@ -329,83 +330,6 @@ def _record(ring: Ring, call: CommStats, stats: CommStats | None) -> None:
     get_stats(ring.group).add(call)
     if stats is not None:
         stats.add(call)
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks (run on the caller's thread, so bad input raises at once)
-
-
-def _check_tensor(tensor: Any) -> None:
-    """Refuse, before anything is queued, the tensors the ring cannot work on in place.
-
-    Without these checks they failed on the communication thread with torch's internal
-    messages (meta, sparse), or only after the whole collective ran (a self-overlapping view,
-    whose write-back needs a distinct location per element), while the peers had already
-    taken part. ``requires_grad`` is fine: the call works on ``tensor.detach()``.
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"Argument 'tensor' must be a torch.Tensor, not {type(tensor).__name__}.")
-    if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        raise TypeError(f"Argument 'tensor' must be float32, float64, float16 or bfloat16, not {tensor.dtype}.")
-    if tensor.layout != torch.strided or tensor.is_nested:
-        kind = "nested" if tensor.is_nested else str(tensor.layout)
-        raise TypeError(f"Argument 'tensor' must be a dense (torch.strided) tensor, not {kind}.")
-    if tensor.is_meta:
-        raise ValueError("Argument 'tensor' must hold data, not be on the meta device.")
-    if _overlaps_itself(tensor):
-        raise ValueError(
-            f"Argument 'tensor' must not overlap itself (each element its own memory), not a view "
-            f"with shape {tuple(tensor.shape)} and strides {tensor.stride()}; pass tensor.clone()."
-        )
-
-
-def _overlaps_itself(tensor: torch.Tensor) -> bool:
-    """Whether two elements of ``tensor`` share a memory location (``expand()``, ``as_strided``).
-
-    Fast and exact for every view that slicing, transposing or permuting makes: sorted by
-    stride, each dimension must step over everything the smaller ones reach. Only
-    hand-made ``as_strided`` layouts that fail that test pay for listing their offsets.
-    """
-    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1)
-    reach = 0  # the largest offset reached by the dimensions seen so far
-    for stride, size in dims:
-        if stride <= reach:
-            break
-        reach += stride * (size - 1)
-    else:
-        return False
-    span = 1 + sum(stride * (size - 1) for stride, size in dims)
-    if dims[0][0] == 0 or tensor.numel() > span:
-        return True  # a broadcast dimension, or more elements than locations
-    offsets = torch.zeros(1, dtype=torch.int64)
-    for stride, size in dims:
-        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
-    return int(torch.unique(offsets).numel()) < tensor.numel()
-
-
-def _check_op(op: Any) -> str:
-    """``"sum"``/``"avg"`` or ``dist.ReduceOp.SUM``/``AVG``, compared by type first: a
-    ``RedOpType`` equals its int value (``ReduceOp.SUM == 0``), and ``False == 0`` too."""
-    if isinstance(op, str) and op in ("sum", "avg"):
-        return op
-    if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-        # ReduceOp(RedOpType) == RedOpType holds, the reverse comparison does not: op on the left.
-        if op == dist.ReduceOp.SUM:
-            return "sum"
-        if op == dist.ReduceOp.AVG:
-            return "avg"
-    raise ValueError(f"Argument 'op' must be 'sum' or 'avg' (or ReduceOp.SUM/AVG), not {op!r}.")
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"Argument '{name}' must be a bool, not {value!r}.")
-    return value
-
-
-def _check_stats(stats: Any) -> None:
-    if stats is not None and not isinstance(stats, CommStats):
-        raise TypeError(f"Argument 'stats' must be a cerar.comm.stats.CommStats or None, not {type(stats).__name__}.")
 
 
 def _ring(group: dist.ProcessGroup | None) -> Ring | None:
