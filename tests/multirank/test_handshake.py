@@ -173,3 +173,21 @@ def _no_collective_worker(rank: int, world: int) -> int:
 
 def test_no_collective_runs_on_the_communication_thread() -> None:
     assert check(run_ranks(_no_collective_worker, 3, timeout=60)) == [0, 0, 0]
+
+
+def _dies_before_the_call_worker(rank: int, world: int) -> str:
+    import os
+
+    cerar.all_reduce(torch.ones(1000), code=codes.perturbed(world, 8))
+    if rank == 2:
+        os._exit(3)  # gone before its second call: the others wait in that call's handshake
+    cerar.all_reduce(torch.ones(1000), code=codes.perturbed(world, 8))
+    return "no error"
+
+
+def test_a_peer_lost_before_the_rounds_makes_every_survivor_raise_ring_error() -> None:
+    results = run_ranks(_dies_before_the_call_worker, 4, timeout=90, pg_timeout=4.0, allow_missing=True)
+    assert results[2] is None
+    for rank in (0, 1, 3):
+        failure = results[rank]
+        assert isinstance(failure, RankFailure) and failure.type_name == "RingError", failure
