@@ -228,13 +228,16 @@ def _count_call(group: dist.ProcessGroup | None) -> int:
 
 
 @contextlib.contextmanager
-def _recorded(ring: Ring, stats: CommStats | None) -> Iterator[CommStats]:
-    """One call's :class:`CommStats`, timed and added to the group's (and ``stats``) even when
-    the call fails."""
+def _call(tensor: torch.Tensor, ring: Ring, stats: CommStats | None) -> Iterator[tuple[torch.Tensor, CommStats, int]]:
+    """One call on the communication thread: ``(flat working tensor, its CommStats, its number
+    on the group)``. The number is taken first; the statistics are timed and added to the
+    group's (and ``stats``) even when the call fails; the result is written back on success."""
+    counter = _count_call(ring.group)
     started = time.perf_counter()
     call = CommStats(calls=1)
     try:
-        yield call
+        with _Working(tensor) as flat:
+            yield flat, call, counter
     finally:
         call.wall_s = time.perf_counter() - started
         _record(ring, call, stats)
@@ -248,8 +251,7 @@ def _cerar_call(
     nonfinite: str,
     stats: CommStats | None,
 ) -> None:
-    counter = _count_call(ring.group)
-    with _recorded(ring, stats) as call, _Working(tensor) as flat:
+    with _call(tensor, ring, stats) as (flat, call, counter):
         if ring.size == 1:
             return
         precision = "fp64" if flat.dtype == torch.float64 else "fp32"
@@ -280,8 +282,7 @@ def _ring_call(
     wire_dtype: torch.dtype | None,
     stats: CommStats | None,
 ) -> None:
-    counter = _count_call(ring.group)
-    with _recorded(ring, stats) as call, _Working(tensor) as flat:
+    with _call(tensor, ring, stats) as (flat, call, counter):
         if ring.size == 1:
             return
         wire = wire_dtype or flat.dtype
