@@ -44,6 +44,14 @@ def test_async_cerar_call_beside_the_programs_own_collective_20_times() -> None:
         assert failures == []
 
 
+def _assert_same_mismatch(results: list, *fragments: str) -> None:
+    """Every rank raised SettingsMismatchError, with one message naming all ``fragments``."""
+    for r in results:
+        assert isinstance(r, RankFailure) and r.type_name == "SettingsMismatchError", r
+        assert all(fragment in r.message for fragment in fragments), r.message
+    assert len({r.message for r in results}) == 1
+
+
 def _skipped_call_worker(rank: int, world: int) -> str:
     code = codes.perturbed(world, 8)
     cerar.all_reduce(torch.ones(100), code=code)
@@ -54,13 +62,7 @@ def _skipped_call_worker(rank: int, world: int) -> str:
 
 
 def test_a_skipped_call_raises_on_every_rank() -> None:
-    results = run_ranks(_skipped_call_worker, 3, timeout=60, pg_timeout=20)
-    messages = set()
-    for r in results:
-        assert isinstance(r, RankFailure) and r.type_name == "SettingsMismatchError", r
-        assert "size 100" in r.message and "size 200" in r.message
-        messages.add(r.message)
-    assert len(messages) == 1
+    _assert_same_mismatch(run_ranks(_skipped_call_worker, 3, timeout=60, pg_timeout=20), "size 100", "size 200")
 
 
 def _lost_call_worker(rank: int, world: int) -> str:
@@ -88,12 +90,7 @@ def _lost_call_worker(rank: int, world: int) -> str:
 
 def test_a_call_lost_on_one_rank_raises_on_every_rank_at_the_next_meeting() -> None:
     results = run_ranks(_lost_call_worker, 3, timeout=60, pg_timeout=20)
-    messages = set()
-    for r in results:
-        assert isinstance(r, RankFailure) and r.type_name == "SettingsMismatchError", r
-        assert "different call counts" in r.message and "call #2" in r.message and "call #3" in r.message
-        messages.add(r.message)
-    assert len(messages) == 1
+    _assert_same_mismatch(results, "different call counts", "call #2", "call #3")
 
 
 def _mismatch_then_recover_worker(rank: int, world: int) -> tuple[str, float]:
