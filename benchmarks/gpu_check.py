@@ -7,10 +7,11 @@ device-to-device copy of the same bytes, and checked against the CPU path.
 One process, no process group: the work a rank does besides moving bytes is the same whatever
 the network. For each message size (MB of float32) and a middle rank (the worst decoder):
 
-* encode: all ``L = c + N - 2`` increment rows times the rank's ``c x m`` data, one matrix
-  product per block of rounds as the collective does (``cerar.comm.algorithms``);
-* decode: ``own <- D_own @ own + D_obs @ observations`` in float64, in column chunks, with the
-  collective's own ``_decode_into``;
+* encode: all ``L = c + N - 2`` rounds of the collective's ``encode_piece`` (``received + X f_t``,
+  one ``addmv`` on the ``(m, c)`` rows) over the whole message, 16 pieces per round as the
+  transport cuts a large packet (``cerar.comm.algorithms``);
+* decode: the collective's ``fold_observation`` for the ``c`` observation slots, in float64
+  (the own part ``X D^T`` with slot 0, then one rank-1 update per slot), piece by piece;
 * casts: float32 -> float16 -> float32 and float32 -> bfloat16 -> float32 of the whole message;
 * copy: ``dst.copy_(src)`` of the same number of bytes, the floor any of these is measured against.
 
@@ -23,6 +24,7 @@ is present (CI never needs one).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -30,7 +32,7 @@ import time
 import torch
 
 from cerar import codes
-from cerar.comm.algorithms import _decode_into, _torch_plan, encode_block_size
+from cerar.comm.algorithms import _torch_plan, encode_piece, fold_observation
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -53,44 +55,60 @@ def _timed(fn, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _encode(plan, own: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
-    rounds = plan.increments.shape[0]
-    for start in range(0, rounds, block):
-        stop = min(start + block, rounds)
-        torch.mm(plan.increments[start:stop], own, out=out[start:stop])
+_PIECES = 16
+
+
+def _pieces(m: int) -> list[tuple[int, int]]:
+    edges = [round(m * k / _PIECES) for k in range(_PIECES + 1)]
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def _encode(rows_f: torch.Tensor, own: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Every round's packet, piece by piece, as the collective sends them (into ``out[t % 2]``)."""
+    for t in range(rows_f.shape[0]):
+        for a, b in _pieces(own.shape[0]):
+            received = out[(t - 1) % 2, a:b] if t else None
+            encode_piece(own[a:b], rows_f[t], received, out[t % 2, a:b])
     return out
+
+
+def _decode(plan, own: torch.Tensor, obs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The float64 sum from the own rows and the ``c`` observation packets, slot by slot."""
+    weights = plan.decode_obs.t().contiguous()
+    for slot in range(obs.shape[0]):
+        for a, b in _pieces(own.shape[0]):
+            own64 = own[a:b].double() if slot == 0 else None
+            fold_observation(total[a:b], obs[slot, a:b].double(), weights[slot], own64, plan.decode_own_t)
+    return total
 
 
 def check_size(code, rank: int, size_mb: float, iters: int, device: str = "cuda") -> dict[str, float]:
     """One row of the table: times in ms and the device-vs-CPU relative differences."""
-    c, n_ranks = code.components, code.world_size
+    c = code.components
     m = int(size_mb * (1 << 20)) // 4 // c
     gpu = torch.device(device)
     generator = torch.Generator().manual_seed(m)
-    own_cpu = torch.randn(c, m, generator=generator)
+    own_cpu = torch.randn(m, c, generator=generator)  # the (m, c) rows of a rank's flat values
     obs_cpu = torch.randn(c, m, generator=generator)
-    plan_gpu = _torch_plan(code, rank, torch.float32, gpu)
-    plan_cpu = _torch_plan(code, rank, torch.float32, torch.device("cpu"))
-    rounds = plan_gpu.increments.shape[0]
-    block = encode_block_size(n_ranks, rounds)
+    plan_gpu = _torch_plan(code, rank, gpu)
+    plan_cpu = _torch_plan(code, rank, torch.device("cpu"))
+    rows_gpu, rows_cpu = plan_gpu.increments.float(), plan_cpu.increments.float()
     own, obs = own_cpu.to(gpu), obs_cpu.to(gpu)
-    increments = torch.empty(rounds, m, device=gpu)
+    packets = torch.empty(2, m, device=gpu)
+    total = torch.empty(m, c, dtype=torch.float64, device=gpu)
     row = {"size_mb": size_mb}
     row["copy_ms"] = _timed(lambda: torch.empty_like(own).copy_(own), iters, gpu)
-    row["encode_ms"] = _timed(lambda: _encode(plan_gpu, own, block, increments), iters, gpu)
-    work = own.clone()
-    row["decode_ms"] = _timed(lambda: (work.copy_(own), _decode_into(work, obs, plan_gpu)), iters, gpu)
+    row["encode_ms"] = _timed(lambda: _encode(rows_gpu, own, packets), iters, gpu)
+    row["decode_ms"] = _timed(lambda: _decode(plan_gpu, own, obs, total), iters, gpu)
     row["fp16_cast_ms"] = _timed(lambda: own.to(torch.float16).to(torch.float32), iters, gpu)
     row["bf16_cast_ms"] = _timed(lambda: own.to(torch.bfloat16).to(torch.float32), iters, gpu)
     # The same arithmetic on the CPU: the device path must agree with it.
-    increments_cpu = _encode(plan_cpu, own_cpu, block, torch.empty(rounds, m))
-    decoded_cpu = own_cpu.clone()
-    _decode_into(decoded_cpu, obs_cpu, plan_cpu)
-    _encode(plan_gpu, own, block, increments)
-    work.copy_(own)
-    _decode_into(work, obs, plan_gpu)
-    row["encode_rel_diff"] = float((increments.cpu() - increments_cpu).norm() / increments_cpu.norm())
-    row["decode_rel_diff"] = float((work.cpu() - decoded_cpu).norm() / decoded_cpu.norm())
+    packets_cpu = _encode(rows_cpu, own_cpu, torch.empty(2, m))
+    decoded_cpu = _decode(plan_cpu, own_cpu, obs_cpu, torch.empty(m, c, dtype=torch.float64))
+    _encode(rows_gpu, own, packets)
+    _decode(plan_gpu, own, obs, total)
+    row["encode_rel_diff"] = float((packets.cpu() - packets_cpu).norm() / packets_cpu.norm())
+    row["decode_rel_diff"] = float((total.cpu() - decoded_cpu).norm() / decoded_cpu.norm())
     return row
 
 

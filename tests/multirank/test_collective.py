@@ -203,11 +203,11 @@ def _nonfinite_worker(rank: int, world: int, policy: str, position: int = 17) ->
 
 
 def _column(position: int, d: int, c: int) -> list[int]:
-    """The flat positions of ``position``'s column: the transport pads ``d`` values to ``c * m``
-    (``m = ceil(d / c)``) and views them as ``(c, m)``, component ``k`` being the ``k``-th
-    contiguous chunk of ``m``; the code mixes the ``c`` components of each column."""
-    m = math.ceil(d / c)
-    return [position % m + k * m for k in range(c) if position % m + k * m < d]
+    """The flat positions of ``position``'s column: component ``k`` takes every ``c``-th value,
+    so column ``q`` holds the ``c`` neighbours ``qc .. qc + c - 1`` (fewer in the last, padded
+    column); the code mixes the ``c`` components of each column."""
+    first = position - position % c
+    return [p for p in range(first, first + c) if p < d]
 
 
 def test_nonfinite_raise_names_the_rank_everywhere() -> None:
@@ -223,9 +223,9 @@ def test_nonfinite_exact_falls_back_and_keeps_the_nan_in_place() -> None:
         assert finite_error == 0.0  # the exact ring: sums of ones are exact
 
 
-# 17: a full column of c = 8 positions; 124 = m - 1: the column's last position, 124 + 7 * 125,
-# falls in the padding (>= 999), so 7 positions.
-@pytest.mark.parametrize("position", [17, 124])
+# 17: a full column of c = 8 positions (16 .. 23); 998: the last, padded column (992 .. 998),
+# 7 positions.
+@pytest.mark.parametrize("position", [17, 998])
 def test_nonfinite_ignore_spreads_over_exactly_its_column(position: int) -> None:
     world, d = 4, 999
     expected = _column(position, d, 2 * world)

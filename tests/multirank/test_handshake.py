@@ -132,20 +132,20 @@ def test_nonfinite_decision_is_the_same_on_every_rank(c: int) -> None:
         assert exact_elsewhere
 
 
-def _flag_chain_worker(rank: int, world: int) -> list[int]:
-    """The chain alone, with fewer data rounds than hops (flagged() runs the rest)."""
+def _maxima_chain_worker(rank: int, world: int) -> list[float]:
+    """The chain alone, with fewer data rounds than hops (maxima() runs the rest)."""
     from cerar.comm.transport import Ring
 
     ring = Ring.of(None)
-    chain = handshake.FlagChain(ring, torch.device("cpu"))
-    chain.set_own(rank not in (1, 3))
-    chain.step(2)  # one hop carried by a "data round"; the other N-2 run in flagged()
-    return chain.flagged(3)
+    chain = handshake.MaximaChain(ring, torch.device("cpu"))
+    chain.set_own(float("nan") if rank in (1, 3) else float(rank + 1))
+    chain.step(2)  # one hop carried by a "data round"; the other N-2 run in maxima()
+    return chain.maxima(3)
 
 
-def test_flag_chain_gives_every_rank_every_flag() -> None:
-    for flagged in check(run_ranks(_flag_chain_worker, 5, timeout=60)):
-        assert flagged == [1, 3]
+def test_maxima_chain_gives_every_rank_every_maximum() -> None:
+    for maxima in check(run_ranks(_maxima_chain_worker, 5, timeout=60)):
+        assert maxima == [1.0, float("inf"), 3.0, float("inf"), 5.0]
 
 
 def _no_collective_worker(rank: int, world: int) -> int:

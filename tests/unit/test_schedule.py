@@ -159,7 +159,7 @@ def literal_ring(code: Code, inputs: np.ndarray) -> list[np.ndarray]:
     m = -(-inputs.shape[1] // c)
     x = np.zeros((n_ranks, c * m))
     x[:, : inputs.shape[1]] = inputs
-    x = x.reshape(n_ranks, c, m)
+    x = x.reshape(n_ranks, m, c).transpose(0, 2, 1)  # component k: every c-th value
     table = code.rows
 
     def inject(i: int, t: int) -> np.ndarray:
@@ -226,9 +226,10 @@ def test_independent_reference_agrees_with_code_and_simulator(
         np.testing.assert_allclose(code.decoder(j), w, rtol=0, atol=1e-12 * scale * np.abs(w).max())
         # Observations from the literal ring equal the bookkeeping's matrices times the inputs.
         matrices = reference_matrices(code, j)
-        predicted = sum(mat @ x[i].reshape(c, m) for i, mat in matrices.items())
+        components = x.reshape(n_ranks, m, c).transpose(0, 2, 1)  # component k: every c-th value
+        predicted = sum(mat @ components[i] for i, mat in matrices.items())
         np.testing.assert_allclose(observed[j], predicted, atol=1e-12 * np.abs(predicted).max())
-        decoded = (x[j].reshape(c, m) + w @ observed[j]).reshape(-1)[:d]
+        decoded = (components[j] + w @ observed[j]).T.reshape(-1)[:d]
         tolerance = 1e-12 * scale * np.linalg.norm(inputs)
         assert np.linalg.norm(simulated.outputs[j] - decoded) <= tolerance
 
@@ -240,8 +241,8 @@ def test_independent_reference_exact_code_is_exact(n_ranks: int, c: int) -> None
     observed = literal_ring(code, inputs)
     for j in range(n_ranks):
         w = reference_decoder(code, j, "mixed")
-        decoded = inputs[j].reshape(c, 6) + w @ observed[j]
-        np.testing.assert_allclose(decoded.reshape(-1), inputs.sum(axis=0), atol=1e-12)
+        decoded = inputs[j].reshape(6, c).T + w @ observed[j]
+        np.testing.assert_allclose(decoded.T.reshape(-1), inputs.sum(axis=0), atol=1e-12)
 
 
 def test_independent_reference_reference_a_ranks_0_and_last_exact() -> None:
@@ -251,7 +252,7 @@ def test_independent_reference_reference_a_ranks_0_and_last_exact() -> None:
     errors = []
     for j in range(4):
         w = reference_decoder(code, j, "A")
-        decoded = (inputs[j].reshape(10, 4) + w @ observed[j]).reshape(-1)
+        decoded = (inputs[j].reshape(4, 10).T + w @ observed[j]).T.reshape(-1)
         errors.append(np.linalg.norm(decoded - inputs.sum(axis=0)))
     assert errors[0] < 1e-10 and errors[3] < 1e-10
     assert errors[1] > 1e-4 and errors[2] > 1e-4  # the interior ranks see the wrap

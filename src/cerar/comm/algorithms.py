@@ -1,31 +1,39 @@
 """The two ring algorithms, on the pipelined engine of :mod:`cerar.comm.transport`.
 
-* :func:`run_cerar` executes a :class:`cerar.protocol.schedule.RankPlan`: each round adds the precomputed
-  increment to the packet received last round and sends it on; packets of the observation
-  rounds land directly in the observation buffer; each column piece is decoded as soon as the
-  last round's piece has arrived, while the rest is still on the wire.
+* :func:`run_cerar` executes a :class:`cerar.protocol.schedule.RankPlan`. Layout: component ``k``
+  of a rank's ``d`` values takes every ``c``-th value (values ``k, k + c, k + 2c, ...``), so the
+  ``(c, m)`` component matrix is the ``(m, c)`` view of the flat tensor, transposed, and column
+  ``q`` mixes the ``c`` neighbouring values ``qc .. qc + c - 1``: each parameter's error is
+  relative to its own values, not to the largest parameter of the bucket. A column piece
+  ``[a, b)`` is the contiguous slice ``[ac, bc)``; only the last piece is copied (zero padded)
+  when ``c`` does not divide ``d``.
 * :func:`run_ring` is the exact reduce-scatter + all-gather ring, optionally with a 16-bit wire.
 
-Increments are computed in blocks of rounds, one matrix product per block, once a round is on
-the wire, so each round's critical path is one add and one send.
+CERAR's CPU work is spread over the rounds, piece by piece, so no round waits for a block of it:
+
+* encode: round ``t``'s piece is ``r(t-1) + X_piece f_t`` (one ``addmv``: the received piece plus
+  the piece's rows times the round's increment row), computed when the piece is sent;
+* decode: ``S_hat = D X + W R`` is accumulated in float64 as the observations arrive: the own
+  part ``D X`` and observation slot 0 with the first observed round, each later slot as one
+  rank-1 update of the piece when its packet lands. The last round's piece adds its slot and is
+  written out, so the tail after the last byte is one piece's update.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from cerar.coding.code import Code
-from cerar.comm.handshake import FlagChain, all_finite
+from cerar.coding.scaling import packet_gain
+from cerar.comm.handshake import MaximaChain, max_abs
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Ring, run_rounds, segments
 from cerar.protocol.schedule import Schedule
-
-_DECODE_CHUNK = 1 << 15  # columns per float64 decode chunk: bounds the temporary memory
-
 
 # ---------------------------------------------------------------------------------------------
 # CERAR
@@ -33,148 +41,187 @@ _DECODE_CHUNK = 1 << 15  # columns per float64 decode chunk: bounds the temporar
 
 @dataclass(frozen=True)
 class _TorchPlan:
-    increments: torch.Tensor  # (L, c), packet dtype
-    decode_own: torch.Tensor  # (c, c), float64
-    decode_obs: torch.Tensor  # (c, c), float64
+    increments: torch.Tensor  # (L, c), float64: row t-1 is round t's increment
+    decode_own_t: torch.Tensor  # (c, c), float64: D^T, so that (m, c) rows @ D^T = (D X)^T
+    decode_obs: torch.Tensor  # (c, c), float64: W (column s weights observation slot s)
     first_observed_round: int
+    gain: float  # the code's packet gain G (cerar.coding.scaling), the same on every rank
 
 
-_PLANS: dict[tuple[str, int, torch.dtype, str], _TorchPlan] = {}
+_PLANS: dict[tuple[str, int, str], _TorchPlan] = {}
 
 
-def _torch_plan(code: Code, rank: int, dtype: torch.dtype, device: torch.device) -> _TorchPlan:
-    key = (code.fingerprint, rank, dtype, str(device))
+def _torch_plan(code: Code, rank: int, device: torch.device) -> _TorchPlan:
+    key = (code.fingerprint, rank, str(device))
     if key not in _PLANS:
         plan = Schedule.for_code(code).plan(code, rank)
         c = code.components
         decode = torch.from_numpy(plan.decode).to(device=device, dtype=torch.float64)
         _PLANS[key] = _TorchPlan(
-            increments=torch.from_numpy(plan.increments).to(device=device, dtype=dtype),
-            decode_own=decode[:, :c].contiguous(),
+            increments=torch.from_numpy(plan.increments).to(device=device, dtype=torch.float64),
+            decode_own_t=decode[:, :c].t().contiguous(),
             decode_obs=decode[:, c:].contiguous(),
             first_observed_round=plan.first_observed_round,
+            gain=packet_gain(code),
         )
     return _PLANS[key]
 
 
-def encode_block_size(world_size: int, rounds: int) -> int:
-    """Rounds per increment block: two blocks in memory are about ``N`` packets, the
-    protocol's storage beyond a rank's own data."""
-    return max(1, min(rounds, math.ceil(world_size / 2)))
+def cerar_packet_gain(code: Code) -> float:
+    """The packet gain ``G`` of ``code`` (cached with its plan)."""
+    return _torch_plan(code, 0, torch.device("cpu")).gain
+
+
+def encode_piece(
+    rows: torch.Tensor, row: torch.Tensor, received: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """One round's piece: ``out = received + rows @ row`` (``rows`` the piece's ``(w, c)``
+    values, ``row`` the round's increment row, ``received`` last round's packet piece or None in
+    round 1). ``out`` in ``rows``' dtype; a 16-bit ``received`` is widened by the add."""
+    if received is None:
+        return torch.mv(rows, row, out=out)
+    if received.dtype == out.dtype:
+        return torch.addmv(received, rows, row, out=out)
+    torch.mv(rows, row, out=out)
+    return out.add_(received)
+
+
+def fold_observation(
+    total: torch.Tensor, arrived: torch.Tensor, weights: torch.Tensor, own: torch.Tensor | None = None,
+    decode_own_t: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Fold one observation piece into the float64 sum ``total`` (``(w, c)``, rows as in flat):
+    ``total += arrived (x) weights`` (a rank-1 update; ``arrived`` float64 ``(w,)``). With ``own``
+    (the piece's values in float64) the accumulator starts as ``own @ D^T``, the own part."""
+    if own is not None:
+        torch.mm(own, decode_own_t, out=total)
+    total.addr_(arrived, weights)
+
+
+#: ``accept(maxima)``: given every rank's ``max|x|`` (``inf``: NaN/Inf), whether to write the
+#: decoded sum. The same list reaches every rank, so every rank decides the same.
+Accept = Callable[[list[float]], bool]
+
+
+@dataclass(frozen=True)
+class CerarOutcome:
+    """What one run of :func:`run_cerar` found: every rank's ``max|x|`` and whether the sum was
+    written (if not, the input is intact)."""
+
+    maxima: list[float]
+    written: bool
 
 
 def run_cerar(
-    flat: torch.Tensor, code: Code, ring: Ring, stats: CommStats, flags: FlagChain | None = None
-) -> list[int]:
+    flat: torch.Tensor,
+    code: Code,
+    ring: Ring,
+    stats: CommStats,
+    accept: Accept | None = None,
+    *,
+    scale: float = 1.0,
+    packet_dtype: torch.dtype | None = None,
+) -> CerarOutcome:
     """Run CERAR on this rank's contiguous 1-d ``flat`` (float32 or float64) and write the
-    decoded sum into it. ``stats`` accumulates the call's figures.
+    decoded sum into it if ``accept`` (default: always) agrees. ``stats`` accumulates the
+    call's figures.
 
-    With ``flags``, each rank checks its input for NaN/Inf while round 1 is on the wire and the
-    flags travel beside rounds ``2 .. N`` (:class:`cerar.comm.handshake.FlagChain`); if any rank
-    is flagged, no rank decodes and ``flat`` keeps its input (the caller raises or falls back).
-    Returns the flagged group ranks (empty: ``flat`` holds the sum).
+    1. While round 1 is on the wire, one pass over the input finds its ``max|x|``
+       (``inf`` for NaN/Inf); :class:`cerar.comm.handshake.MaximaChain` carries every rank's
+       beside rounds ``2 .. N``.
+    2. Each round's pieces are encoded as they are sent, from ``X / scale`` (``scale`` a power
+       of two folded into the increment rows: exact, and free), in ``packet_dtype`` (default
+       ``flat``'s dtype; a 16-bit packet is computed in ``flat``'s dtype and rounded once).
+    3. Observations are folded into a float64 accumulator as they land, times ``scale``.
+    4. When the last round's piece lands, the chain has long completed: ``accept(maxima)``
+       decides, the same on every rank, and the piece's sum is written (or nothing is, and
+       ``flat`` keeps its input for the caller's fallback or redo).
     """
-    # Longer than most functions on purpose: the four callbacks of the round engine below share
-    # this call's buffers, plan and block bounds; split apart, they would need an object that
-    # holds one call's state, and the critical path (prepare) would pay attribute look-ups.
-    c, n_ranks = code.components, code.world_size
+    c = code.components
     d = flat.numel()
+    full_rows = d // c  # columns held in flat as they are
     m = math.ceil(d / c)
     dtype, device = flat.dtype, flat.device
-    plan = _torch_plan(code, ring.rank, dtype, device)
+    packet = packet_dtype or dtype
+    plan = _torch_plan(code, ring.rank, device)
     rounds = plan.increments.shape[0]
-    if d == c * m:
-        padded = flat
-    else:
-        padded = WORKSPACE.get("padded", (c * m,), dtype, device)
-        padded[:d].copy_(flat)
-        padded[d:].zero_()
-    own = padded.view(c, m)
+    first_observed = plan.first_observed_round
+    rows = (plan.increments / scale).to(dtype)  # exact: scale is a power of two
+    weights = (plan.decode_obs * scale).t().contiguous()  # row s: slot s's weights, times scale
+    pieces = segments(m, torch.empty((), dtype=packet).element_size())
 
-    # Round 1's increment is computed alone (it is on the critical path); later rounds come in
-    # blocks, each computed once the first round of the previous block is on the wire, into
-    # one of two alternating buffers (the other still feeds the rounds being prepared).
-    block = encode_block_size(n_ranks, rounds)
-    bounds = [(0, 1)] + [(s, min(s + block, rounds)) for s in range(1, rounds, block)]
-    first_round = [start + 1 for start, _ in bounds]
-    buffers = [WORKSPACE.get(f"increments{i}", (block, m), dtype, device) for i in range(2)]
+    # The rows of each piece as an (w, c) view of flat; the last piece is copied if c does not divide d.
+    columns: dict[int, torch.Tensor] = {}
+    for a, b in pieces:
+        if b <= full_rows:
+            columns[a] = flat[a * c : b * c].view(b - a, c)
+        else:
+            padded = WORKSPACE.get("tail", (b - a, c), dtype, device)
+            padded.view(-1)[: d - a * c].copy_(flat[a * c :])
+            padded.view(-1)[d - a * c :].zero_()
+            columns[a] = padded
+
+    send = WORKSPACE.get("send", (2, m), packet, device)
+    recv = WORKSPACE.get("recv", (2, m), packet, device)
+    widen = packet != dtype  # 16-bit packets: encode in flat's dtype, round once
+    encoded = WORKSPACE.get("encoded", (m,), dtype, device) if widen else None
+    total = WORKSPACE.get("decoded", (m, c), torch.float64, device)  # the sum, rows as in flat
+    own64 = WORKSPACE.get("own64", (max((b - a for a, b in pieces), default=0), c), torch.float64, device)
+    slot64 = WORKSPACE.get("slot64", (m,), torch.float64, device)
+    chain = MaximaChain(ring, device)
     timing = {"encode": 0.0, "decode": 0.0}
-    decision: dict[str, list[int]] = {}  # the flagged ranks, once every rank's flag is in
+    decision: dict[str, bool] = {}
+    maxima: list[float] = []
 
-    def encode(k: int) -> torch.Tensor:
+    def decide() -> bool:
+        if "write" not in decision:
+            maxima.extend(chain.maxima(rounds + 1))
+            decision["write"] = accept is None or accept(maxima)
+        return decision["write"]
+
+    def prepare(t: int, a: int, b: int) -> torch.Tensor:
+        if t > 1 and a == 0:
+            chain.step(t)  # this round's hop of the maxima, beside its first piece
         began = time.perf_counter()
-        start, stop = bounds[k]
-        out = buffers[k % 2][: stop - start]
-        torch.mm(plan.increments[start:stop], own, out=out)  # into a kept buffer: no page faults
+        out = send[t % 2, a:b]
+        into = encoded[a:b] if widen else out
+        encode_piece(columns[a], rows[t - 1], recv[(t - 1) % 2, a:b] if t > 1 else None, into)
+        if widen:
+            out.copy_(into)
         timing["encode"] += time.perf_counter() - began
         return out
 
-    observations = WORKSPACE.get("observations", (c, m), dtype, device)
-    scratch = WORKSPACE.get("scratch", (2, m), dtype, device)  # receives before the first observation
-    send = WORKSPACE.get("send", (2, m), dtype, device)
-    blocks = {0: encode(0)}
-    block_of_round = [k for k, (start, stop) in enumerate(bounds) for _ in range(start, stop)]
-
     def target(t: int, a: int, b: int) -> torch.Tensor:
-        slot = t - plan.first_observed_round
-        return observations[slot, a:b] if slot >= 0 else scratch[t % 2, a:b]
-
-    def prepare(t: int, a: int, b: int) -> torch.Tensor:
-        if flags is not None and t > 1 and a == 0:
-            flags.step(t)  # this round's hop of the flags, beside its first piece
-        k = block_of_round[t - 1]
-        increment = blocks[k][t - 1 - bounds[k][0], a:b]
-        out = send[t % 2, a:b]
-        if t == 1:
-            out.copy_(increment)
-        else:
-            torch.add(target(t - 1, a, b), increment, out=out)
-        return out
+        return recv[t % 2, a:b]
 
     def posted(t: int) -> None:
-        if flags is not None and t == 1:
-            flags.set_own(all_finite(own))  # one pass over the input, while round 1 is on the wire
-        k = block_of_round[t - 1]
-        if t == first_round[k] and k + 1 < len(bounds):
-            blocks.pop(k - 1, None)  # its rounds are all prepared: its buffer is free
-            blocks[k + 1] = encode(k + 1)
+        if t == 1:
+            chain.set_own(max_abs(flat))  # one pass over the input, while round 1 is on the wire
 
     def received(t: int, a: int, b: int) -> None:
-        if t == rounds and "flagged" not in decision:
-            decision["flagged"] = flags.flagged(rounds + 1) if flags is not None else []
-        if t == rounds and not decision["flagged"]:  # this piece's observations are complete: decode it
-            began = time.perf_counter()
-            _decode_into(own[:, a:b], observations[:, a:b], plan)
-            timing["decode"] += time.perf_counter() - began
+        slot = t - first_observed
+        if slot < 0:
+            return
+        began = time.perf_counter()
+        acc = total[a:b]
+        arrived = slot64[a:b]
+        arrived.copy_(recv[t % 2, a:b])
+        own = None
+        if slot == 0:  # the own part D X starts the accumulator
+            own = own64[: b - a]
+            own.copy_(columns[a])
+        fold_observation(acc, arrived, weights[slot], own, plan.decode_own_t)
+        if t == rounds and decide():
+            columns[a].copy_(acc)
+            if b > full_rows:  # the copied last piece: its values back into flat
+                flat[a * c :].copy_(columns[a].view(-1)[: d - a * c])
+        timing["decode"] += time.perf_counter() - began
 
-    run_rounds(ring, stats, rounds, segments(m, flat.element_size()), prepare, target, received, posted)
+    run_rounds(ring, stats, rounds, pieces, prepare, target, received, posted)
     stats.encode_s += timing["encode"]
     stats.decode_s += timing["decode"]
     stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-    if "flagged" not in decision:  # no piece at all (an empty tensor): nothing was decoded
-        decision["flagged"] = flags.flagged(rounds + 1) if flags is not None else []
-    if padded is not flat and not decision["flagged"]:
-        flat.copy_(padded[:d])
-    return decision["flagged"]
-
-
-def _decode_into(own: torch.Tensor, observations: torch.Tensor, plan: _TorchPlan) -> None:
-    """``own <- decode_own @ own + decode_obs @ observations``, in float64, column chunk by
-    column chunk so that the temporaries stay small and the result overwrites ``own``."""
-    c, m = own.shape
-    width = min(m, _DECODE_CHUNK)
-    own64 = WORKSPACE.get("decode_own", (c, width), torch.float64, own.device)
-    obs64 = WORKSPACE.get("decode_obs", (c, width), torch.float64, own.device)
-    out64 = WORKSPACE.get("decode_out", (c, width), torch.float64, own.device)
-    for start in range(0, m, width):
-        stop = min(m, start + width)
-        n = stop - start
-        a, b, out = own64[:, :n], obs64[:, :n], out64[:, :n]
-        a.copy_(own[:, start:stop])
-        b.copy_(observations[:, start:stop])
-        torch.mm(plan.decode_own, a, out=out)
-        out.addmm_(plan.decode_obs, b)
-        own[:, start:stop].copy_(out)
+    return CerarOutcome(maxima=maxima, written=decide())  # decided here if there was no piece
 
 
 # ---------------------------------------------------------------------------------------------

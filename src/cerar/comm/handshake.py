@@ -3,14 +3,17 @@
 Before its data rounds, every call runs a *handshake*: ``N - 1`` hops of a small fixed-size
 header around the ring, each rank forwarding the element-wise maximum of its own header and the
 one it just received, so that after the last hop every rank holds the maximum over all ranks.
-The header is ``[h, -h, k, -k, max|x|, flag_0, ..., flag_{N-1}]``:
+The header is ``[h, -h, k, -k, max|x|, e, flag_0, ..., flag_{N-1}]``:
 
 * ``h``: a 48-bit hash of the call's settings (code, dtype, size, op, policy). All ranks agree
   iff ``max(h) == -max(-h)``, i.e. the largest hash equals the smallest.
 * ``k``: this rank's count of cerar calls on the group (counted when the call is made, before
   its checks, so that a call one rank abandoned still counts there). Equal counts mean every
   rank is at the same call; different counts mean one rank skipped or added one.
-* ``max|x|``: for the float16 ring's scaling, the largest magnitude (``inf`` if non-finite).
+* ``max|x|``: the largest magnitude (``inf`` if non-finite), for the packet scaling of a
+  call that has no previous scale to go by (the float16 ring, CERAR's first call of a size).
+* ``e``: the exponent of the packet scale this rank proposes (its previous call's); every rank
+  takes the largest, so the scale is the same on every rank even if their histories differ.
 * ``flag_r``: rank ``r``'s input holds NaN/Inf, where the call checks that up front.
 
 A mismatch raises :class:`SettingsMismatchError` on every rank with the same message (each
@@ -20,16 +23,18 @@ so the handshake can never pair with a collective the program runs on the same g
 another thread (an all-reduce there aborted ranks with Gloo's "Received data size doesn't match
 expected size"). Its cost is ``N - 1`` one-way latencies of a ~100-byte message.
 
-CERAR checks finiteness later, overlapped: :class:`FlagChain` carries the flags beside data
-rounds ``2 .. N`` (see :func:`cerar.comm.algorithms.run_cerar`), so the check costs one pass over
-the input while round 1 is on the wire instead of a pass before the call.
+CERAR checks finiteness and magnitude later, overlapped: :class:`MaximaChain` carries every
+rank's ``max|x|`` beside data rounds ``2 .. N`` (see :func:`cerar.comm.algorithms.run_cerar`), so
+the check costs one pass over the input while round 1 is on the wire instead of a pass before
+the call.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,11 +43,12 @@ from cerar.comm.transport import Ring, post_pair, wait_for
 
 __all__ = [
     "HANDSHAKE_TAG",
-    "FlagChain",
+    "Agreed",
+    "MaximaChain",
     "SettingsMismatchError",
-    "all_finite",
     "gather_text",
     "handshake",
+    "max_abs",
     "settings_hash",
 ]
 
@@ -50,22 +56,13 @@ __all__ = [
 HANDSHAKE_TAG = 0x0CE1
 FLAG_TAG = 0x0CE2
 GATHER_TAG = 0x0CE3
-_FIELDS = 5  # h, -h, k, -k, max|x|; then one flag per rank
+_FIELDS = 6  # h, -h, k, -k, max|x|, e; then one flag per rank
 _TEXT_BYTES = 2048  # one rank's settings summary on the failure path
 
 
 class SettingsMismatchError(ValueError):
     """Ranks called the collective with different codes, dtypes, sizes or options, or one rank
     is a call ahead of or behind the others."""
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` holds no NaN/Inf, in one pass in the common case: a NaN/Inf makes the
-    sum non-finite, so a finite sum proves a finite input; a non-finite sum (or an overflow of
-    finite values) is confirmed element-wise."""
-    if torch.isfinite(tensor.sum()):
-        return True
-    return bool(torch.isfinite(tensor).all())
 
 
 def settings_hash(identity: Sequence[Any]) -> float:
@@ -86,6 +83,14 @@ def _max_around(ring: Ring, own: torch.Tensor, tag: int, first_round: int) -> to
     return total
 
 
+class Agreed(NamedTuple):
+    """What the handshake found, the same on every rank."""
+
+    max_abs: float  # the largest ``max|x|`` sent
+    flagged: list[int]  # group ranks that sent ``finite=False``
+    scale_exponent: int  # the largest exponent proposed
+
+
 def handshake(
     ring: Ring,
     settings: float,
@@ -93,16 +98,18 @@ def handshake(
     summary: str,
     *,
     max_abs: float = 0.0,
+    scale_exponent: int = 0,
     finite: bool | None = None,
     device: torch.device | None = None,
-) -> tuple[float, list[int]]:
-    """Run the handshake; returns ``(max|x| over ranks, group ranks whose flag is set)``.
+) -> Agreed:
+    """Run the handshake and return what every rank :class:`Agreed` on.
 
     Raises :class:`SettingsMismatchError` on every rank if the settings hashes or call counts
     differ. ``finite=None`` sends no flag (the call checks later or not at all).
     """
     own = torch.zeros(_FIELDS + ring.size, dtype=torch.float64)
-    own[0], own[1], own[2], own[3], own[4] = settings, -settings, float(counter), -float(counter), max_abs
+    own[0], own[1], own[2], own[3] = settings, -settings, float(counter), -float(counter)
+    own[4], own[5] = max_abs, float(scale_exponent)
     if finite is False:
         own[_FIELDS + ring.rank] = 1.0
     total = _max_around(ring, own.to(device or "cpu"), HANDSHAKE_TAG, 0).cpu()
@@ -112,7 +119,7 @@ def handshake(
         what = "different settings" if total[0] != -total[1] else "different call counts (a rank skipped a call)"
         raise SettingsMismatchError(f"cerar: ranks called the collective with {what}: {lines}")
     flagged = [r for r in range(ring.size) if total[_FIELDS + r] > 0]
-    return float(total[4]), flagged
+    return Agreed(float(total[4]), flagged, int(total[5]))
 
 
 def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> list[str]:
@@ -129,13 +136,15 @@ def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> li
     return [bytes(row.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for row in blocks]
 
 
-class FlagChain:
-    """The non-finite flags carried beside CERAR's data rounds ``2 .. N``.
+class MaximaChain:
+    """Every rank's largest input magnitude, carried beside CERAR's data rounds ``2 .. N``.
 
-    Rank ``r`` sets its flag while round 1 is on the wire (:meth:`set_own`), then in each round
-    ``t = 2 .. N`` forwards the maximum of its flags and what arrived in round ``t - 1``
-    (:meth:`step`); after round ``N`` arrives every rank holds every rank's flag
-    (:meth:`flagged`), before any decoding. Needs ``rounds >= N`` (``c >= 2``).
+    Rank ``r`` puts its ``max|x|`` (``inf`` if its input holds NaN/Inf) in slot ``r`` while round
+    1 is on the wire (:meth:`set_own`), then in each round ``t = 2 .. N`` forwards the
+    element-wise maximum of its vector and what arrived in round ``t - 1`` (:meth:`step`); after
+    round ``N`` arrives every rank holds the same vector (:meth:`maxima`), before any decoding:
+    the non-finite decision and the packet-scale check are the same on every rank. Needs
+    ``rounds >= N`` (``c >= 2``) to ride entirely on data rounds.
     """
 
     def __init__(self, ring: Ring, device: torch.device) -> None:
@@ -145,8 +154,8 @@ class FlagChain:
         self.pending: tuple[dist.Work, dist.Work, int] | None = None
         self.hops = 0
 
-    def set_own(self, finite: bool) -> None:
-        self.own[self.ring.rank] = 0.0 if finite else 1.0
+    def set_own(self, max_abs: float) -> None:
+        self.own[self.ring.rank] = max_abs if math.isfinite(max_abs) else math.inf
 
     def step(self, round_index: int) -> None:
         """Post this round's hop (rounds ``2 .. N``); the previous hop's message has arrived."""
@@ -159,19 +168,27 @@ class FlagChain:
         self.pending = (*post_pair(message, self.received, self.ring, round_index, FLAG_TAG), round_index)
         self.hops += 1
 
-    def flagged(self, next_round: int) -> list[int]:
-        """Group ranks whose input held NaN/Inf. Waits for the last hop; hops the data rounds
-        did not carry (fewer than ``N`` rounds) run here, numbered from ``next_round``."""
+    def maxima(self, next_round: int) -> list[float]:
+        """Every group rank's ``max|x|`` (``inf``: NaN/Inf). Waits for the last hop; hops the data
+        rounds did not carry (fewer than ``N`` rounds) run here, numbered from ``next_round``."""
         while self.hops < self.ring.size - 1:
             self.step(next_round)
             next_round += 1
         if self.pending is not None:
             self._finish()
-        total = torch.maximum(self.own, self.received).cpu()
-        return [r for r in range(self.ring.size) if total[r] > 0]
+        return torch.maximum(self.own, self.received).cpu().tolist()
 
     def _finish(self) -> None:
         recv_work, send_work, round_index = self.pending
         wait_for(recv_work, self.ring, round_index)
         wait_for(send_work, self.ring, round_index)
         self.pending = None
+
+
+def max_abs(tensor: torch.Tensor) -> float:
+    """``max|x|`` in one pass (``inf`` if ``tensor`` holds NaN or Inf; 0 if it is empty)."""
+    if not tensor.numel():
+        return 0.0
+    low, high = torch.aminmax(tensor)
+    value = max(-float(low), float(high))
+    return value if math.isfinite(value) else math.inf

@@ -24,6 +24,8 @@ class CommStats:
         peak_extra_bytes: most memory the call allocated beyond the caller's tensor (max, not sum).
         fallbacks: calls that fell back to the exact ring (non-finite input, ``nonfinite="exact"``).
         nonfinite_events: calls whose input held NaN or Inf on some rank.
+        rescales: CERAR calls redone at a new packet scale because their data left the packet
+            format's safe range at the previous one (:mod:`cerar.coding.scaling`).
     """
 
     calls: int = 0
@@ -36,6 +38,7 @@ class CommStats:
     peak_extra_bytes: int = 0
     fallbacks: int = 0
     nonfinite_events: int = 0
+    rescales: int = 0
 
     def add(self, other: CommStats) -> CommStats:
         """Accumulate ``other`` into ``self`` (peaks take the max) and return ``self``."""

@@ -1,8 +1,9 @@
 """A reference simulator: all N ranks of CERAR, round by round, in one process.
 
-It executes the same :class:`cerar.protocol.schedule.RankPlan` as the real transport, with packets rounded
-to the packet precision after every operation that the transport performs in that precision,
-and decodes in float64. It is the yardstick the collective is tested against. Pure numpy.
+It executes the same :class:`cerar.protocol.schedule.RankPlan` as the real transport, in the same
+layout (component ``k`` takes every ``c``-th value) and with the same exact power-of-two packet
+scale, with each packet rounded to the packet precision once, as the transport sends it, and
+decodes in float64. It is the yardstick the collective is tested against. Pure numpy.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name, rounder
+from cerar.coding.scaling import packet_gain, packet_range
 from cerar.protocol.schedule import Schedule
 
 
@@ -109,14 +111,18 @@ def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationR
     """
     if not isinstance(code, Code):
         raise TypeError(f"Argument 'code' must be a cerar.Code, not {type(code).__name__}.")
-    packet = rounder(precision_name(packet_dtype, "packet_dtype"))
+    packet_name = precision_name(packet_dtype, "packet_dtype")
+    packet = rounder(packet_name)
     n_ranks, c = code.world_size, code.components
     flat = stack_inputs(inputs, n_ranks)
     d = flat.shape[1]
     m = math.ceil(d / c)
     padded = np.zeros((n_ranks, c * m))
     padded[:, :d] = flat
-    own = padded.reshape(n_ranks, c, m)
+    # Component k takes every c-th value (see cerar.comm.algorithms): column q holds values qc .. qc+c-1.
+    own = padded.reshape(n_ranks, m, c).transpose(0, 2, 1)
+    # The transport's exact power-of-two packet scale at its first call (cerar.coding.scaling).
+    scale = packet_range(packet_name).scale_for(n_ranks * packet_gain(code) * float(np.max(np.abs(flat))))
 
     schedule = Schedule.for_code(code)
     plans = [schedule.plan(code, j) for j in range(n_ranks)]
@@ -127,7 +133,8 @@ def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationR
     for t in range(1, schedule.rounds + 1):
         outgoing = []
         for j, plan in enumerate(plans):
-            increment = packet(plan.increments[t - 1] @ own[j])  # recomputed from X, not stored
+            # Encoded from X as the piece is sent, in float64 here, rounded once to the packet.
+            increment = (plan.increments[t - 1] / scale) @ own[j]
             peak[j] = max(peak[j], held[j] + 2)  # the packet in hand and the increment
             outgoing.append(packet(received[j].astype(np.float64) + increment))
         for j, plan in enumerate(plans):
@@ -137,8 +144,8 @@ def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationR
                 held[j] += 1
     outputs = np.empty((n_ranks, d))
     for j, plan in enumerate(plans):
-        stacked = np.concatenate([own[j], np.asarray(observations[j], dtype=np.float64)])
-        outputs[j] = (plan.decode @ stacked).reshape(-1)[:d]
+        stacked = np.concatenate([own[j], scale * np.asarray(observations[j], dtype=np.float64)])
+        outputs[j] = (plan.decode @ stacked).T.reshape(-1)[:d]
     exact_sum = flat.sum(axis=0)
     sent = np.full(n_ranks, schedule.rounds * m)
     bounds = code.error_bound * np.array([code.error_scale(flat, j) for j in range(n_ranks)])
