@@ -12,9 +12,11 @@ The public facade. The package is layered, each folder one concern, imports flow
 
 The maths (:class:`Code`, :mod:`cerar.codes`, :func:`simulate`) imports numpy only; the
 collective (:func:`all_reduce`, :func:`ring_all_reduce`, :func:`shutdown`) and the DDP hooks
-(:mod:`cerar.ddp`) load torch.distributed on first use. The documented submodules
-``cerar.codes``, ``cerar.ddp``, ``cerar.transport`` and ``cerar.collective`` are reachable both as
-attributes of ``cerar`` and by ``import cerar.ddp``.
+(:mod:`cerar.ddp`) load torch.distributed on first use, and so does the hierarchical collective
+for clusters of nodes (:func:`hierarchical_all_reduce`, :func:`hierarchical_ring_all_reduce`:
+exact inside each node, CERAR or the exact ring between nodes). The documented submodules
+``cerar.codes``, ``cerar.ddp``, ``cerar.hierarchical``, ``cerar.transport`` and ``cerar.collective``
+are reachable both as attributes of ``cerar`` and by ``import cerar.ddp``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ __all__ = [
     "codes",
     "collective",
     "ddp",
+    "hierarchical",
+    "hierarchical_all_reduce",
+    "hierarchical_ring_all_reduce",
     "ring_all_reduce",
     "shutdown",
     "simulate",
@@ -60,10 +65,13 @@ _SUBMODULES = {
     "codes": "cerar.coding.codes",
     "collective": "cerar.comm.collective",
     "ddp": "cerar.comm.ddp",
+    "hierarchical": "cerar.comm.hierarchical",
     "transport": "cerar.comm.transport",
 }
 #: Names of the collective, loaded (with torch.distributed) on first use.
 _COLLECTIVE_NAMES = ("all_reduce", "ring_all_reduce", "shutdown", "NonFiniteError", "SettingsMismatchError")
+#: Names of the hierarchical collective (exact inside nodes, CERAR between them), loaded likewise.
+_HIERARCHICAL_NAMES = ("hierarchical_all_reduce", "hierarchical_ring_all_reduce")
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -93,4 +101,6 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(_SUBMODULES[name])
     if name in _COLLECTIVE_NAMES:
         return getattr(importlib.import_module("cerar.comm.collective"), name)
+    if name in _HIERARCHICAL_NAMES:
+        return getattr(importlib.import_module("cerar.comm.hierarchical"), name)
     raise AttributeError(f"module 'cerar' has no attribute {name!r}")

@@ -25,7 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Launch N local ranks and time builtin (Gloo), ring (cerar's exact ring), the ring with "
             "float16 and bfloat16 wires, and cerar (per c) for each size, on loopback (fast) and on "
-            "namespaces with tc-limited links (slow, needs root, ip and tc; otherwise fast only)."
+            "namespaces with tc-limited links (slow, needs root, ip and tc; otherwise fast only). "
+            "--nodes M --ranks-per-node G emulates M nodes: one namespace per node holding its G ranks "
+            "(fast loopback inside), its one link limited to --rate, and adds hier-ring and hier-cerar "
+            "(exact inside nodes, the ring or CERAR between them)."
         ),
     )
     add_flags(p, BenchConfig)  # the measurement's settings: BenchConfig's fields

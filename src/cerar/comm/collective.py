@@ -230,10 +230,10 @@ def shutdown(timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
 _GROUP_STATS: dict[Any, CommStats] = {}
 _STATS_LOCK = threading.Lock()
 _CALLS: dict[Any, int] = {}  # cerar calls made on each group by this process
-#: The packet scale exponent of the last CERAR call per (group, size, packet precision): the next
+#: The packet scale exponent of the last CERAR call per (ring, size, packet precision): the next
 #: call of that size proposes it (no pass before the call) and redoes itself if its data left the range.
 _PACKET_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_SCALE_EXPONENTS: dict[tuple[Any, int, str], int] = {}
+_SCALE_EXPONENTS: dict[tuple[Any, int, int, int, str], int] = {}
 
 
 def _count_call(group: dist.ProcessGroup | None) -> int:
@@ -292,7 +292,7 @@ def _cerar_call(
         )
         # The packet scale: the one this size's previous call ended with (1 at first), agreed in
         # the handshake; the maxima that travel with the rounds tell whether it fit.
-        key = (_group_key(ring.group), flat.numel(), precision)
+        key = (_group_key(ring.group), ring.send_to, ring.recv_from, flat.numel(), precision)  # per ring
         window = packet_range(precision)
         bound = ring.size * cerar_packet_gain(code)  # packets <= bound * max|x|
         remembered = _SCALE_EXPONENTS.get(key)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from cerar._checks import check_choice
 from cerar.comm.ddp_checkpoint import STATE_DICT_FORMAT
+from cerar.comm.ddp_hierarchical import HierarchicalState
 from cerar.comm.ddp_state import DEFAULT_MIN_BUCKET_BYTES, CerarState
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.replicas import SKETCH_SIZE, replica_divergence, resync
@@ -53,8 +54,11 @@ __all__ = [
     "SKETCH_SIZE",
     "STATE_DICT_FORMAT",
     "CerarState",
+    "HierarchicalState",
     "cerar_hook",
     "get_hook",
+    "hier_cerar_hook",
+    "hier_ring_hook",
     "replica_divergence",
     "resync",
     "ring_hook",
@@ -99,18 +103,6 @@ def ring_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futur
         lambda buffer, group, call: ring_all_reduce(buffer, "avg", group, True, stats=call),
         coded=False,
     )
-
-
-#: The hooks by name, for configs and command lines that name the method.
-HOOKS: dict[str, Callable[[CerarState, dist.GradBucket], torch.futures.Future[torch.Tensor]]] = {
-    "cerar": cerar_hook,
-    "ring": ring_hook,
-}
-
-
-def get_hook(name: str) -> Callable[[CerarState, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
-    """The hook :data:`HOOKS` holds under ``name`` (``"cerar"`` or ``"ring"``)."""
-    return HOOKS[check_choice("name", name, tuple(HOOKS))]
 
 
 def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool) -> torch.futures.Future[torch.Tensor]:
@@ -164,3 +156,71 @@ def _exact_average(
     group = process_group if process_group is not None else dist.group.WORLD
     buffer.div_(dist.get_world_size(group))
     return dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hierarchical hooks (:mod:`cerar.comm.hierarchical`): exact inside each node, CERAR or the
+# exact ring between nodes. Their state is a HierarchicalState (ranks_per_node, a code for M nodes).
+
+def hier_cerar_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` with :func:`cerar.hierarchical_all_reduce`, asynchronously: exact inside
+    each node, CERAR (``state.code``, for the group's ``M`` nodes) between nodes. The bucket
+    policy and ``nonfinite`` work as in :func:`cerar_hook`; ``state`` must be a
+    :class:`HierarchicalState`."""
+    from cerar.comm.hierarchical import hierarchical_all_reduce
+
+    _check_hierarchical(state)
+    return _launch(
+        state,
+        bucket,
+        lambda buffer, group, call: hierarchical_all_reduce(
+            buffer,
+            "avg",
+            group,
+            True,
+            ranks_per_node=state.ranks_per_node,
+            code=state.code,
+            nonfinite=state.nonfinite,
+            stats=call,
+        ),
+        coded=True,
+    )
+
+
+def hier_ring_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` with :func:`cerar.hierarchical_ring_all_reduce` (the exact ring between
+    nodes): the comparison baseline of :func:`hier_cerar_hook`."""
+    from cerar.comm.hierarchical import hierarchical_ring_all_reduce
+
+    _check_hierarchical(state)
+    return _launch(
+        state,
+        bucket,
+        lambda buffer, group, call: hierarchical_ring_all_reduce(
+            buffer, "avg", group, True, ranks_per_node=state.ranks_per_node, stats=call
+        ),
+        coded=False,
+    )
+
+
+def _check_hierarchical(state: Any) -> None:
+    if not isinstance(state, HierarchicalState):
+        raise TypeError(
+            f"Argument 'state' of the hierarchical DDP hooks must be a cerar.ddp.HierarchicalState, not "
+            f"{type(state).__name__}: its code is for the number of nodes, and it knows ranks_per_node."
+        )
+
+
+#: The hooks by name, for configs and command lines that name the method (the hierarchical
+#: ones take a :class:`HierarchicalState`).
+HOOKS: dict[str, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]] = {
+    "cerar": cerar_hook,
+    "ring": ring_hook,
+    "hier-cerar": hier_cerar_hook,
+    "hier-ring": hier_ring_hook,
+}
+
+
+def get_hook(name: str) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """The hook :data:`HOOKS` holds under ``name`` (``"cerar"``, ``"ring"``, ``"hier-cerar"``, ``"hier-ring"``)."""
+    return HOOKS[check_choice("name", name, tuple(HOOKS))]

@@ -25,6 +25,7 @@ from cerar.comm.ddp_checkpoint import (
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.replicas import ReplicaSync
 from cerar.comm.stats import CommStats
+from cerar.comm.transport import group_timeout
 
 __all__ = ["DEFAULT_MIN_BUCKET_BYTES", "CerarState"]
 
@@ -328,11 +329,12 @@ class CerarState(ReplicaSync):
 
 def _new_comm_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     ranks = sorted(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    timeout = group_timeout(process_group)  # the caller's, not new_group's 30-minute default
     if len(ranks) == dist.get_world_size():
-        return dist.new_group(ranks=ranks)
+        return dist.new_group(ranks=ranks, timeout=timeout)
     # Only the members run the hook: they alone create the group (its name hashes the ranks
     # and the number of groups each member knows, equal on members that made the same groups).
-    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+    return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True)
 
 
 def _rank(process_group: dist.ProcessGroup | None) -> int | None:

@@ -15,6 +15,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,19 @@ class Ring:
             return r if group is None else dist.get_global_rank(group, r)
 
         return cls(group, rank, size, to_global((rank + 1) % size), to_global((rank - 1) % size))
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> Any:
+    """``group``'s timeout (``init_process_group(timeout=...)``), for the groups cerar creates
+    from it: ``dist.new_group`` would otherwise give them its own default (30 minutes), and a
+    dead peer would be noticed only then. ``None`` if the backend does not say."""
+    pg = dist.group.WORLD if group is None else group
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None
 
 
 class RingError(RuntimeError):

@@ -12,6 +12,10 @@ Regimes:
   rank's egress limited by ``tc`` to ``rate`` (see :mod:`cerar.harness.netem`). A short TCP probe between
   two rank namespaces measures the achieved link rate before the ranks start.
 
+Emulated nodes: with ``ranks_per_node=G`` the ranks ``k*G .. k*G + G - 1`` form node ``k`` (torchrun's
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` say so); in ``slow`` each node is one namespace
+holding its ``G`` ranks, which talk over its loopback, and its one link is shaped to ``rate``.
+
 Why 400 Mbit/s by default: the link must dominate the built-in all-reduce, or the slow regime
 says nothing about slow links. Measured here (4 ranks, 16 MiB float32, `cerar bench`): the TCP
 probe achieves 48.2 MB/s; Gloo's all-reduce takes 0.53 s, 1.01x its wire time
@@ -79,6 +83,7 @@ class LaunchResult:
         regime: ``"fast"`` or ``"slow"``.
         rate: the ``tc`` rate limit in ``slow`` (``None`` in ``fast``).
         delay: the added one-way delay in ``slow`` (``None`` in ``fast``).
+        ranks_per_node: ranks on each (emulated) node; ``1``: a namespace per rank.
         run_id: the emulated network's id (``None`` in ``fast``); namespaces are
             ``cerar-<run_id>-*``.
         wall_s: seconds from the ranks' start to the last rank's exit.
@@ -91,6 +96,7 @@ class LaunchResult:
     delay: str | None = None
     run_id: str | None = None
     wall_s: float = 0.0
+    ranks_per_node: int = 1
 
 
 def launch(
@@ -105,6 +111,7 @@ def launch(
     cwd: str | None = None,
     probe: bool = True,
     on_line: LineCallback | None = None,
+    ranks_per_node: int = 1,
 ) -> LaunchResult:
     """Run ``command`` as ``world_size`` ranks and wait for all of them.
 
@@ -121,6 +128,8 @@ def launch(
         probe: ``slow``: measure the link rate with a short TCP stream before starting.
         on_line: called as ``on_line(rank, "stdout" | "stderr", line)`` for every line a rank
             writes, from a reader thread, while the ranks run (e.g. to drive a progress bar).
+        ranks_per_node: ranks per emulated node (must divide ``world_size``); in ``slow`` each
+            node is one namespace with one shaped link, and the probe runs between two nodes.
 
     Raises:
         LaunchError: a rank failed, or the timeout passed.
@@ -132,16 +141,23 @@ def launch(
     regime = check_choice("regime", regime, REGIMES)
     rate, delay = check_rate(rate), check_delay(delay)
     timeout_s = check_float("timeout_s", timeout_s, positive=True)
+    ranks_per_node = check_int("ranks_per_node", ranks_per_node, minimum=1)
+    if world_size % ranks_per_node:
+        raise ValueError(f"Argument 'ranks_per_node' must divide world_size {world_size}, not {ranks_per_node}.")
     cwd, base_env = _check_cwd(cwd), _base_env(env)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_exits())
         net: Network | None = None
         link_rate: float | None = None
         if regime == "slow":
-            net = stack.enter_context(emulated_network(world_size, rate, delay))
-            if probe and world_size >= 2:
-                link_rate = measure_link_rate(net)
-        results, wall_s = _run(stack, lambda: RankProcesses(argv, world_size, base_env, cwd, net, on_line), timeout_s)
+            net = stack.enter_context(emulated_network(world_size, rate, delay, ranks_per_node))
+            if probe and net.nodes >= 2:
+                link_rate = measure_link_rate(net, dst=ranks_per_node)  # rank 0's node to the next node
+
+        def new_ranks() -> RankProcesses:
+            return RankProcesses(argv, world_size, base_env, cwd, net, on_line, ranks_per_node)
+
+        results, wall_s = _run(stack, new_ranks, timeout_s)
         return LaunchResult(
             ranks=results,
             link_rate_bytes_per_s=link_rate,
@@ -150,6 +166,7 @@ def launch(
             delay=delay if net else None,
             run_id=net.run_id if net else None,
             wall_s=wall_s,
+            ranks_per_node=ranks_per_node,
         )
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
 
@@ -258,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m cerar.harness.launch")
     parser.add_argument("--world-size", "-N", type=int, default=2)
+    parser.add_argument("--ranks-per-node", type=int, default=1)
     parser.add_argument("--regime", default="fast", choices=REGIMES)
     parser.add_argument("--rate", default=DEFAULT_RATE)
     parser.add_argument("--delay", default="0ms")
@@ -274,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             delay=args.delay,
             timeout_s=args.timeout,
             on_line=_Echo(sys.stdout, sys.stderr),
+            ranks_per_node=args.ranks_per_node,
         )
     except LaunchError as exc:
         print(f"launch failed: {str(exc).splitlines()[0]}", file=sys.stderr)

@@ -1,10 +1,16 @@
-"""Slow-network emulation: one network namespace per rank, rate-limited links to a bridge.
+"""Slow-network emulation: one network namespace per rank (or per node), rate-limited links to a bridge.
 
 Layout of one emulated network (``run_id`` = ``<launcher pid>-<4 random hex>``)::
 
     namespace cerar-<run_id>-hub :  bridge <tag>br, ports <tag>h0 .. <tag>h{N-1}
     namespace cerar-<run_id>-r<i>:  veth <tag>r<i> (10.99.x.y/16), peer of <tag>h<i>,
                                     egress shaped by ``tc tbf`` (and ``netem delay``)
+
+With ``ranks_per_node=G`` (emulated nodes, ``cerar bench --nodes M --ranks-per-node G``) there is
+one namespace per *node* instead, ``cerar-<run_id>-n<k>`` with veth ``<tag>n<k>``, holding its
+``G`` ranks: they talk to each other over the node's own loopback (a local address is routed
+through ``lo``: fast, unlimited), and the node's one shaped link to the bridge is shared by its
+ranks, like a node's NIC.
 
 Every link is created directly inside its namespace, so nothing appears in the root namespace
 and deleting the namespaces removes every link. ``tag`` (``cx`` + 7 hex) keeps interface names
@@ -36,8 +42,8 @@ from cerar._checks import check_int
 
 NS_PREFIX = "cerar-"
 IF_PREFIX = "cx"
-_IF_PATTERN = re.compile(r"^cx[0-9a-f]{7}(br|[hr]\d+)$")
-_NS_PATTERN = re.compile(r"^cerar-(\d+)-([0-9a-f]{4})-(hub|r\d+)$")
+_IF_PATTERN = re.compile(r"^cx[0-9a-f]{7}(br|[hrn]\d+)$")
+_NS_PATTERN = re.compile(r"^cerar-(\d+)-([0-9a-f]{4})-(hub|[rn]\d+)$")
 _RATE_PATTERN = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.I)
 _DELAY_PATTERN = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
 PROBE_PORT = 5201
@@ -50,7 +56,7 @@ class NetemUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class RankLink:
-    """One rank's end of the emulated network."""
+    """One rank's end of the emulated network (with emulated nodes: its node's namespace and link)."""
 
     rank: int
     namespace: str
@@ -68,10 +74,16 @@ class Network:
     rate: str
     delay: str
     ranks: list[RankLink] = field(default_factory=list)
+    ranks_per_node: int = 1
 
     @property
     def namespaces(self) -> list[str]:
-        return [link.namespace for link in self.ranks] + [self.hub]
+        return [*dict.fromkeys(link.namespace for link in self.ranks), self.hub]
+
+    @property
+    def nodes(self) -> int:
+        """Namespaces holding ranks (the ranks themselves unless ``ranks_per_node > 1``)."""
+        return len(self.ranks) // self.ranks_per_node
 
     def exec_prefix(self, rank: int) -> list[str]:
         """The argv prefix that runs a command inside ``rank``'s namespace."""
@@ -131,11 +143,18 @@ def _address(rank: int) -> str:
 
 
 @contextlib.contextmanager
-def emulated_network(world_size: int, rate: str = "400mbit", delay: str = "0ms") -> Iterator[Network]:
-    """Build a network of ``world_size`` rank namespaces and tear it down on exit, always.
+def emulated_network(
+    world_size: int, rate: str = "400mbit", delay: str = "0ms", ranks_per_node: int = 1
+) -> Iterator[Network]:
+    """Build a network of ``world_size`` ranks and tear it down on exit, always.
 
-    Namespaces left by dead launchers (see :func:`cleanup_stale`) are removed first. Each
-    rank's egress is limited by ``tc tbf rate <rate> burst 256kb latency 100ms``; a
+    1. Namespaces left by dead launchers (see :func:`cleanup_stale`) are removed first.
+    2. The hub namespace and its bridge are made.
+    3. ``ranks_per_node == 1``: one namespace per rank; otherwise one per node of
+       ``ranks_per_node`` consecutive ranks (``world_size / ranks_per_node`` nodes), whose ranks
+       share its loopback and its one link.
+
+    Each namespace's egress is limited by ``tc tbf rate <rate> burst 256kb latency 100ms``; a
     non-zero ``delay`` adds ``netem delay`` in front (needs the kernel's sch_netem). On exit,
     normal or not, every process still inside the namespaces is killed and the namespaces (and
     with them every link) are deleted.
@@ -146,6 +165,9 @@ def emulated_network(world_size: int, rate: str = "400mbit", delay: str = "0ms")
     world_size = check_int("world_size", world_size, minimum=1)
     if world_size > MAX_RANKS:
         raise ValueError(f"Argument 'world_size' must be at most {MAX_RANKS}, not {world_size}.")
+    ranks_per_node = check_int("ranks_per_node", ranks_per_node, minimum=1)
+    if world_size % ranks_per_node:
+        raise ValueError(f"Argument 'ranks_per_node' must divide world_size {world_size}, not {ranks_per_node}.")
     rate, delay = check_rate(rate), check_delay(delay)
     reason = unavailable_reason()
     if reason is not None:
@@ -154,18 +176,22 @@ def emulated_network(world_size: int, rate: str = "400mbit", delay: str = "0ms")
     rand = secrets.token_hex(2)
     run_id = f"{os.getpid()}-{rand}"
     tag = f"{IF_PREFIX}{rand}{os.getpid() % 4096:03x}"
-    net = Network(run_id, f"{NS_PREFIX}{run_id}-hub", f"{tag}br", rate, delay)
+    net = Network(run_id, f"{NS_PREFIX}{run_id}-hub", f"{tag}br", rate, delay, ranks_per_node=ranks_per_node)
     created: list[str] = []
     try:
         created.append(net.hub)  # listed first: deleting a name that was never made is harmless
         _run(["ip", "netns", "add", net.hub])
         _run(["ip", "-n", net.hub, "link", "add", net.bridge, "type", "bridge"])
         _run(["ip", "-n", net.hub, "link", "set", net.bridge, "up"])
-        for rank in range(world_size):
-            link = RankLink(rank, f"{NS_PREFIX}{run_id}-r{rank}", f"{tag}r{rank}", _address(rank))
+        kind = "r" if ranks_per_node == 1 else "n"  # a namespace per rank, or per node
+        for index in range(world_size // ranks_per_node):
+            link = RankLink(index, f"{NS_PREFIX}{run_id}-{kind}{index}", f"{tag}{kind}{index}", _address(index))
             created.append(link.namespace)
-            _add_rank(net, link, f"{tag}h{rank}")
-            net.ranks.append(link)
+            _add_rank(net, link, f"{tag}h{index}")
+            net.ranks += [
+                RankLink(rank, link.namespace, link.ifname, link.address)
+                for rank in range(index * ranks_per_node, (index + 1) * ranks_per_node)
+            ]
         yield net
     finally:
         # Teardown must not be cut short by a second Ctrl-C: hold the signals until it is done.
@@ -319,6 +345,8 @@ def measure_link_rate(net: Network, seconds: float = 0.5, src: int = 0, dst: int
     """
     if len(net.ranks) < 2:
         raise ValueError(f"Argument 'net' must have at least 2 ranks to probe, not {len(net.ranks)}.")
+    if net.ranks[src].namespace == net.ranks[dst].namespace:
+        raise ValueError(f"Argument 'dst' must be a rank on another node than rank {src}, not {dst}.")
     limit = str(seconds + 20.0)
     sink = subprocess.Popen(
         [*net.exec_prefix(dst), sys.executable, "-c", _SINK, net.ranks[dst].address, str(PROBE_PORT), limit],

@@ -77,8 +77,10 @@ class RankProcesses:
         cwd: str | None,
         net: Network | None,
         on_line: LineCallback | None,
+        ranks_per_node: int = 1,
     ) -> None:
         self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
         self.on_line = on_line
         self.procs: list[subprocess.Popen[str]] = []
         self.out: list[tuple[list[str], list[str]]] = [([], []) for _ in range(world_size)]
@@ -89,14 +91,22 @@ class RankProcesses:
         self.started = time.perf_counter()
 
     def rank_env(self, rank: int, port: int) -> dict[str, str]:
-        """The environment of ``rank``: the launcher's, plus the rendezvous ``env://`` reads."""
+        """The environment of ``rank``: the launcher's, plus the rendezvous ``env://`` reads and
+        torchrun's node variables (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``). With
+        ``ranks_per_node`` G > 1, ranks ``k*G .. k*G + G - 1`` are node ``k``; with 1, all ranks
+        are on this one machine, as before. ``CERAR_RANKS_PER_NODE`` is G either way (the
+        bench's hierarchical methods read it)."""
         net = self.net
         env = dict(self.base_env)
+        per_node = self.ranks_per_node
+        local = per_node if per_node > 1 else self.world_size
         env.update(
             RANK=str(rank),
             WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(rank % local),
+            LOCAL_WORLD_SIZE=str(local),
+            GROUP_RANK=str(rank // local),
+            CERAR_RANKS_PER_NODE=str(per_node),
             MASTER_ADDR=net.ranks[0].address if net else "127.0.0.1",
             MASTER_PORT=str(port),
             GLOO_SOCKET_IFNAME=net.ranks[rank].ifname if net else "lo",

@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 REGIME_CHOICES = ("fast", "slow", "both")
+DEFAULT_METHODS = ("builtin", "ring", "ring-fp16", "ring-bf16", "cerar")
+NODE_METHODS = ("builtin", "ring", "cerar", "hier-ring", "hier-cerar")  # the default with --ranks-per-node > 1
 MiB = 1 << 20
 DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 QUICK_SIZES = (64 << 10, 256 << 10)
@@ -86,12 +88,20 @@ class BenchConfig:
     """What to measure, checked when built: bad values raise ``ValueError``/``TypeError``
     naming the argument and the value.
 
-    ``components=None`` becomes ``(N, 2N)``; sizes are sorted and repeated ones dropped.
+    ``components=None`` becomes ``(N, 2N)`` (with nodes: ``(2M, 2N)``); sizes are sorted and
+    repeated ones dropped. Emulated nodes: ``nodes=M`` sets ``world_size`` to ``M x
+    ranks_per_node``; ``ranks_per_node=G`` alone takes ``M = N / G``. The hierarchical methods'
+    codes are for ``M`` (``hier-cerar``), the flat ones' for ``N``.
     ``regimes`` lists ``"fast"`` and/or ``"slow"``; ``timeout_s=None`` sizes the limit of each
     regime's run from the cases (generously: it only exists to stop a hung run).
     """
 
-    world_size: int = field(default=4, metadata=flag("ranks", short="-N"))
+    world_size: int = field(default=4, metadata=flag("ranks (set by --nodes x --ranks-per-node)", short="-N"))
+    nodes: int | None = field(
+        default=None,
+        metadata=flag("emulated nodes M, each one namespace of G ranks with one link", default_text="N / G"),
+    )
+    ranks_per_node: int = field(default=1, metadata=flag("ranks per emulated node G (1: a namespace per rank)"))
     sizes_bytes: tuple[int, ...] = field(
         default=DEFAULT_SIZES,
         metadata=flag(
@@ -114,8 +124,12 @@ class BenchConfig:
         ),
     )
     methods: tuple[str, ...] = field(
-        default=("builtin", "ring", "ring-fp16", "ring-bf16", "cerar"),
-        metadata=flag(f"comma list of {', '.join(ALL_REDUCE_METHODS)}", parse=_names, default_text="all"),
+        default=DEFAULT_METHODS,
+        metadata=flag(
+            f"comma list of {', '.join(ALL_REDUCE_METHODS)}",
+            parse=_names,
+            default_text=f"{','.join(DEFAULT_METHODS)}; with nodes {','.join(NODE_METHODS)}",
+        ),
     )
     regimes: tuple[str, ...] = field(
         default=("fast", "slow"),
@@ -123,7 +137,7 @@ class BenchConfig:
             "network regime(s)", name="--regime", parse=_regimes, choices=REGIME_CHOICES, default_text="both"
         ),
     )
-    rate: str = field(default=DEFAULT_RATE, metadata=flag("slow: per-rank link rate"))
+    rate: str = field(default=DEFAULT_RATE, metadata=flag("slow: per-rank (with nodes: per-node) link rate"))
     delay: str = field(default="0ms", metadata=flag("slow: added latency per link (needs netem)"))
     iters: int = field(default=5, metadata=flag("timed iterations", default_text="5; --quick 2"))
     warmup: int = field(default=1, metadata=flag("warm-up iterations"))
@@ -134,14 +148,26 @@ class BenchConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        g = check_int("ranks_per_node", self.ranks_per_node, minimum=1)
+        if self.nodes is not None:
+            object.__setattr__(self, "world_size", check_int("nodes", self.nodes, minimum=1) * g)
         n = check_int("world_size", self.world_size, minimum=2)
+        if n % g:
+            raise ValueError(f"Argument 'ranks_per_node' must divide world_size {n}, not {g}.")
+        object.__setattr__(self, "nodes", n // g)
+        if g > 1 and tuple(self.methods) == DEFAULT_METHODS:  # nodes: compare the hierarchical methods too
+            object.__setattr__(self, "methods", NODE_METHODS)
+        hierarchical = [name for name in self.methods if name in ALL_REDUCE_METHODS and get_method(name).hierarchical]
+        if hierarchical and n // g < 2:
+            raise ValueError(f"Argument 'nodes' must be at least 2 for methods {hierarchical}, not {n // g}.")
         if not self.sizes_bytes:
             raise ValueError("Argument 'sizes' must list at least one size, not ().")
         for size in self.sizes_bytes:
             check_int("sizes", size, minimum=4)
             if size % 4:
                 raise ValueError(f"Argument 'sizes' must be multiples of 4 bytes (float32), not {size}.")
-        comps = self.components if self.components is not None else (n, 2 * n)
+        default = (n, 2 * n) if g == 1 else tuple(sorted({2 * (n // g), 2 * n}))
+        comps = self.components if self.components is not None else default
         for c in comps:
             check_int("components", c, minimum=1)
         for name in self.constructions:

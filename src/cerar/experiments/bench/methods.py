@@ -37,6 +37,9 @@ class AllReduceMethod:
         traffic: values sent per rank per value reduced, as a function of ``(N, c)``.
         rounds: sequential message rounds per call, as a function of ``(N, c)``.
         requires: a module that must be importable for the method to exist (else it is skipped).
+        hierarchical: exact inside each node, the algorithm only between nodes
+            (:mod:`cerar.comm.hierarchical`): ``traffic`` and ``rounds`` are then functions of the
+            number of nodes ``M`` (and the code is for ``M``), and each rank sends ``1/G`` of it.
     """
 
     name: str
@@ -48,11 +51,34 @@ class AllReduceMethod:
     traffic: Callable[[int, int | None], float] = lambda n, c: 2.0 * (n - 1) / n
     rounds: Callable[[int, int | None], int] = lambda n, c: 2 * (n - 1)
     requires: str | None = "cerar.comm.collective"
+    hierarchical: bool = False
 
-    def theory_bytes_per_rank(self, size_bytes: int, world_size: int, components: int | None) -> float:
-        """Bytes each rank sends for a ``size_bytes`` float32 message, in theory."""
+    def ring_size(self, world_size: int, ranks_per_node: int = 1) -> int:
+        """The size of the ring the algorithm runs on: ``M`` nodes if hierarchical, else ``N``."""
+        return world_size // ranks_per_node if self.hierarchical else world_size
+
+    def theory_bytes_per_rank(
+        self, size_bytes: int, world_size: int, components: int | None, ranks_per_node: int = 1
+    ) -> float:
+        """Bytes each rank sends for a ``size_bytes`` float32 message, in theory (hierarchical
+        methods: between nodes only, ``1/G`` of the node's)."""
+        if self.hierarchical:
+            return self.theory_bytes_per_node(size_bytes, world_size, components, ranks_per_node) / ranks_per_node
         values = size_bytes / 4.0
         return values * self.traffic(world_size, components) * self.wire_bytes_per_value
+
+    def theory_bytes_per_node(
+        self, size_bytes: int, world_size: int, components: int | None, ranks_per_node: int = 1
+    ) -> float:
+        """Bytes that leave each node over its link, in theory. Flat methods: the node's last
+        rank's (the one ring hop out of the node): ``2(N-1)/N`` values per value for the ring,
+        ``1 + (N-2)/c`` for CERAR. Hierarchical: the ``G`` rings between nodes, ``2(M-1)/M``
+        and ``1 + (M-2)/c``."""
+        values = size_bytes / 4.0
+        n = self.ring_size(world_size, ranks_per_node)
+        if n < 2:
+            return 0.0
+        return values * self.traffic(n, components) * self.wire_bytes_per_value
 
     def available(self) -> bool:
         """Whether the code this method needs exists in this installation."""
@@ -86,6 +112,26 @@ def _cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
     from cerar.comm.collective import all_reduce
 
     all_reduce(tensor, code=code, stats=stats)
+
+
+def _ranks_per_node() -> int | None:
+    """The launcher's ``CERAR_RANKS_PER_NODE`` (else None: torchrun's ``LOCAL_WORLD_SIZE``)."""
+    import os
+
+    text = os.environ.get("CERAR_RANKS_PER_NODE")
+    return int(text) if text else None
+
+
+def _hier_ring(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
+    from cerar.comm.hierarchical import hierarchical_ring_all_reduce
+
+    hierarchical_ring_all_reduce(tensor, ranks_per_node=_ranks_per_node(), stats=stats)
+
+
+def _hier_cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
+    from cerar.comm.hierarchical import hierarchical_all_reduce
+
+    hierarchical_all_reduce(tensor, ranks_per_node=_ranks_per_node(), code=code, stats=stats)
 
 
 def _cerar_traffic(n: int, c: int | None) -> float:
@@ -128,6 +174,23 @@ ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = {
             coded=True,
             traffic=_cerar_traffic,
             rounds=_cerar_rounds,
+        ),
+        AllReduceMethod(
+            "hier-ring",
+            "exact reduce-scatter in each node, cerar's exact ring between nodes, all-gather in each node",
+            _hier_ring,
+            requires="cerar.comm.hierarchical",
+            hierarchical=True,
+        ),
+        AllReduceMethod(
+            "hier-cerar",
+            "exact reduce-scatter in each node, CERAR (a code for M nodes) between nodes, all-gather in each node",
+            _hier_cerar,
+            coded=True,
+            traffic=_cerar_traffic,
+            rounds=_cerar_rounds,
+            requires="cerar.comm.hierarchical",
+            hierarchical=True,
         ),
     )
 }

@@ -74,7 +74,8 @@ def build_cases(config: BenchConfig) -> list[dict[str, Any]]:
             continue
         for construction in config.constructions:
             for c in config.components or ():
-                code = make_code(config.world_size, c, construction)
+                # Hierarchical methods run CERAR between the M nodes: their code is for M.
+                code = make_code(method.ring_size(config.world_size, config.ranks_per_node), c, construction)
                 series.append(
                     {
                         "method": name,
@@ -117,14 +118,17 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Log | None = N
         for index, regime in enumerate(regimes):
             info, raws = _run_regime(regime, cases, config, bar, index * ticks)
             regime_info[regime] = info
-            records += [make_record(raw, regime, config.world_size, info["link_rate_bytes_per_s"]) for raw in raws]
+            records += [
+                make_record(raw, regime, config.world_size, info["link_rate_bytes_per_s"], config.ranks_per_node)
+                for raw in raws
+            ]
             if info["error"]:
                 say(f"cerar bench: {regime} regime failed: {info['error']}")
     finally:
         if bar is not None:
             bar.close()
     add_ratios(records, BASELINE)
-    fits, crossovers = analyse(records, config.world_size)
+    fits, crossovers = analyse(records, config.world_size, config.ranks_per_node)
     slow = regime_info.get("slow", {})
     return {
         "schema_version": SCHEMA_VERSION,
@@ -142,6 +146,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Log | None = N
             "timing": "per iteration the slowest rank's time, barrier before each; median/min/max",
         },
         "world_size": config.world_size,
+        "nodes": config.nodes,
+        "ranks_per_node": config.ranks_per_node,
         "link_rate_bytes_per_s": slow.get("link_rate_bytes_per_s"),
         "regimes": regime_info,
         "notes": notes,
@@ -211,6 +217,7 @@ def _run_regime(
         cfg = Path(tmp) / "config.json"
         worker_config = {
             "world_size": config.world_size,
+            "ranks_per_node": config.ranks_per_node,
             "seed": config.seed,
             "warmup": config.warmup,
             "iters": config.iters,
@@ -228,6 +235,7 @@ def _run_regime(
                 delay=config.delay,
                 timeout_s=estimate_timeout_s(cases, config, regime),
                 on_line=on_line,
+                ranks_per_node=config.ranks_per_node,
             )
             info.update(link_rate_bytes_per_s=result.link_rate_bytes_per_s)
             if regime == "slow":
@@ -257,7 +265,7 @@ def series_label(record: dict[str, Any], with_construction: bool = False) -> str
     return label
 
 
-def analyse(records: list[dict[str, Any]], world_size: int) -> tuple[list[dict], list[dict]]:
+def analyse(records: list[dict[str, Any]], world_size: int, ranks_per_node: int = 1) -> tuple[list[dict], list[dict]]:
     """Alpha-beta fit per series and, per non-baseline series, the predicted crossover size
     against the baseline with the sizes where prediction and measurement agree."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
@@ -272,7 +280,7 @@ def analyse(records: list[dict[str, Any]], world_size: int) -> tuple[list[dict],
             [r["size_bytes"] for r in rows],
             [r["bytes_sent_per_rank"] for r in rows],
             [r["time_median_s"] for r in rows],
-            method.rounds(world_size, key[2]),
+            method.rounds(method.ring_size(world_size, ranks_per_node), key[2]),
         )
         fitted[key] = fit
         if fit is not None:

@@ -11,6 +11,15 @@ bandwidths in bytes per second. ``bytes_sent_per_rank`` is measured at cerar's t
 method has one (``bytes_source: "transport"``) and the algorithm's figure otherwise
 (``"theory"``, e.g. Gloo's built-in all-reduce); ``wire_bytes_per_rank`` is what the rank's
 network link really sent in ``slow`` (TCP/IP headers and the barrier included; null in ``fast``).
+
+Topology (emulated nodes, ``--nodes M --ranks-per-node G``; ``M = N``, ``G = 1`` without): the top
+level and every record carry ``nodes`` and ``ranks_per_node``. ``inter_node_bytes_per_node`` is
+what the busiest node sent to other nodes, measured at cerar's transport (hierarchical methods:
+the sum over the node's ranks; flat ones: the node's last rank, whose ring hop leaves the node;
+null for ``builtin``), ``theory_inter_node_bytes_per_node`` its theory (per value: flat ring
+``2(N-1)/N``, flat CERAR ``1 + (N-2)/c``, ``hier-ring`` ``2(M-1)/M``, ``hier-cerar``
+``1 + (M-2)/c``), and ``node_wire_bytes`` what the busiest node's one link really sent (``slow``
+with nodes; null otherwise).
 """
 
 from __future__ import annotations
@@ -53,18 +62,28 @@ RECORD_KEYS: dict[str, tuple[type, ...]] = {
     "rel_errors": (list,),
     "ratio_to_builtin": (float, type(None)),
     "theory_ratio_to_builtin": (float, type(None)),
+    "nodes": (int,),
+    "ranks_per_node": (int,),
+    "inter_node_bytes_per_node": (float, int, type(None)),
+    "theory_inter_node_bytes_per_node": (float, int),
+    "node_wire_bytes": (float, int, type(None)),
 }
 TOP_KEYS = ("machine", "versions", "world_size", "link_rate_bytes_per_s", "results")
 
 
-def make_record(raw: Mapping[str, Any], regime: str, world_size: int, link_rate: float | None) -> dict[str, Any]:
+def make_record(
+    raw: Mapping[str, Any], regime: str, world_size: int, link_rate: float | None, ranks_per_node: int = 1
+) -> dict[str, Any]:
     """One result record from a worker's raw figures (see :mod:`cerar.experiments.bench.worker`)."""
     case = raw["case"]
     method = get_method(case["method"])
     size = int(case["size_bytes"])
     components = case.get("components") if method.coded else None
     timing = summarize(raw["times_s"])
-    theory = method.theory_bytes_per_rank(size, world_size, components)
+    theory = method.theory_bytes_per_rank(size, world_size, components, ranks_per_node)
+    node_theory = method.theory_bytes_per_node(size, world_size, components, ranks_per_node)
+    inter_node = raw.get("inter_node_bytes")
+    node_wire = raw.get("node_wire_bytes")
     if method.transport_stats and raw.get("bytes_sent"):
         sent: float = float(statistics.median(raw["bytes_sent"]))
         source = "transport"
@@ -98,19 +117,26 @@ def make_record(raw: Mapping[str, Any], regime: str, world_size: int, link_rate:
         "rel_errors": errors,
         "ratio_to_builtin": None,
         "theory_ratio_to_builtin": None,
+        "nodes": world_size // ranks_per_node,
+        "ranks_per_node": ranks_per_node,
+        "inter_node_bytes_per_node": float(statistics.median(inter_node)) if inter_node else None,
+        "theory_inter_node_bytes_per_node": node_theory,
+        "node_wire_bytes": float(statistics.median(node_wire)) if node_wire else None,
     }
 
 
 def add_ratios(records: list[dict[str, Any]], baseline: str = "builtin") -> None:
     """Fill ``ratio_to_builtin`` (measured median times) and ``theory_ratio_to_builtin``
-    (theory bytes) from the baseline record of the same regime and size."""
+    (theory bytes per rank; with nodes, per node's link) from the baseline record of the same
+    regime and size."""
     base = {(r["regime"], r["size_bytes"]): r for r in records if r["method"] == baseline}
     for record in records:
         ref = base.get((record["regime"], record["size_bytes"]))
         if ref is None:
             continue
         record["ratio_to_builtin"] = record["time_median_s"] / ref["time_median_s"]
-        record["theory_ratio_to_builtin"] = record["theory_bytes_per_rank"] / ref["theory_bytes_per_rank"]
+        key = "theory_bytes_per_rank" if record.get("ranks_per_node", 1) == 1 else "theory_inter_node_bytes_per_node"
+        record["theory_ratio_to_builtin"] = record[key] / ref[key]  # with nodes: the bytes on a node's link
 
 
 def machine_info() -> dict[str, Any]:

@@ -10,8 +10,11 @@ never reads half a file), and prints progress lines of kind ``bench`` (:mod:`cer
 detail: the case's label) that the driver turns into a progress bar. The process starts and
 stops as every rank does (:func:`cerar.harness.rank.rank_process`).
 
-Config keys: ``world_size``, ``seed``, ``warmup``, ``iters``, ``out`` and ``cases``, a list of
-``{"method", "size_bytes", "components", "construction", "code"}`` (``code`` a
+With emulated nodes (``ranks_per_node`` G > 1) it also measures, per iteration, the bytes that
+the busiest node sent to other nodes at cerar's transport and through its one link.
+
+Config keys: ``world_size``, ``ranks_per_node`` (default 1), ``seed``, ``warmup``, ``iters``, ``out``
+and ``cases``, a list of ``{"method", "size_bytes", "components", "construction", "code"}`` (``code`` a
 :meth:`cerar.Code.to_dict`, or null).
 """
 
@@ -86,7 +89,12 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
     warmup, iters = int(config["warmup"]), int(config["iters"])
     label = f"{method.name}" + (f" c={case['components']}" if method.coded else "") + f" {case['size_bytes'] >> 10}K"
     buf = torch.empty_like(x)
-    times, encode, decode, sent, wire = [], [], [], [], []
+    times, encode, decode, sent, wire, node_wire = [], [], [], [], [], []
+    per_node = int(config.get("ranks_per_node", 1))
+    rank = dist.get_rank()
+    # Bytes leaving the node at the transport: every rank's for the hierarchical methods, the
+    # node's last rank's (its ring hop is the one out of the node) for the flat ones.
+    crosses = method.hierarchical or rank % per_node == per_node - 1
     for it in range(warmup + iters):
         buf.copy_(x)
         stats = CommStats() if method.transport_stats else None
@@ -104,6 +112,7 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
                 sent.append(stats.bytes_sent)
             if tx_before is not None and tx_after is not None:
                 wire.append(tx_after - tx_before)
+                node_wire.append(tx_after - tx_before if rank % per_node == 0 else 0)  # one reader per link
         progress.tick(label)
 
     # The accuracy pass: same input, untimed, compared with the exact float64 sum.
@@ -120,6 +129,17 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.tolist()
 
+    def per_node_max(values: Sequence[float]) -> list[float]:
+        """Per iteration, the largest over nodes of the sum over each node's ranks."""
+        if not values:
+            return []
+        mine = torch.tensor(list(values), dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        stacked = torch.stack(everyone).view(-1, per_node, len(values)).sum(1)
+        return stacked.max(0).values.tolist()
+
+    inter_node = per_node_max([s if crosses else 0.0 for s in sent]) if sent else []
     errors = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(errors, torch.tensor([error], dtype=torch.float64))
     return {
@@ -129,6 +149,8 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
         "decode_s": reduce_max(decode),
         "bytes_sent": reduce_max(sent),
         "wire_bytes": reduce_max(wire),
+        "inter_node_bytes": inter_node,
+        "node_wire_bytes": reduce_max(node_wire),
         "rel_errors": [float(e.item()) for e in errors],
     }
 

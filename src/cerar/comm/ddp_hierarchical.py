@@ -1,0 +1,100 @@
+"""The state of the hierarchical DDP hooks (``cerar.ddp.hier_cerar_hook`` / ``hier_ring_hook``).
+
+:class:`HierarchicalState` is a :class:`cerar.ddp.CerarState` that also knows the node layout:
+``ranks_per_node`` (default: torchrun's ``LOCAL_WORLD_SIZE``), and whose ``code`` is for the
+number of *nodes* ``M``, not of ranks, since CERAR runs only between nodes
+(:mod:`cerar.comm.hierarchical`). Everything else (bucket policy, resync, statistics,
+checkpoints) is :class:`CerarState`'s. Like it, it builds before ``init_process_group`` and
+resolves the layout, the default code and its own group at the first bucket.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from cerar.coding.code import Code
+from cerar.comm.ddp_state import CerarState, _new_comm_group, logger
+
+if TYPE_CHECKING:
+    from cerar.comm.hierarchical import NodeLayout
+
+__all__ = ["HierarchicalState"]
+
+
+class HierarchicalState(CerarState):
+    """:class:`CerarState` for the hierarchical hooks.
+
+    Args:
+        process_group, nonfinite, min_bucket_bytes, start_iter, resync_every, divergence_tol,
+            on_step: as :class:`CerarState`.
+        code: a :class:`cerar.Code` for the group's number of nodes ``M`` (``None``: the default
+            code for ``M``, resolved at the first bucket).
+        ranks_per_node: ranks on each node (consecutive group ranks form a node); ``None``:
+            ``LOCAL_WORLD_SIZE`` (default group only), resolved at the first bucket.
+
+    Attributes: those of :class:`CerarState`, plus ``ranks_per_node`` as given and ``layout``,
+    this rank's :class:`cerar.comm.hierarchical.NodeLayout` (``None`` until the first bucket).
+    """
+
+    __slots__ = ("layout", "ranks_per_node")
+    _NOT_PICKLED = (*CerarState._NOT_PICKLED, "layout")
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        code: Code | None = None,
+        *,
+        ranks_per_node: int | None = None,
+        **settings: object,
+    ) -> None:
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(f"Argument 'ranks_per_node' must be a positive integer or None, not {ranks_per_node!r}.")
+        self.ranks_per_node: int | None = ranks_per_node
+        self.layout: NodeLayout | None = None
+        super().__init__(process_group, code, **settings)  # type: ignore[arg-type]
+
+    def __getstate__(self) -> dict[str, object]:
+        """As :meth:`CerarState.__getstate__`, over both classes' attributes."""
+        names = CerarState.__slots__ + HierarchicalState.__slots__
+        skip = self._NOT_PICKLED + self._RESOLVED_AGAIN
+        logger.warning("NOTE: process groups are not serialisable and are left out of the saved HierarchicalState.")
+        return {k: getattr(self, k) for k in names if k not in skip}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        super().__setstate__(state)
+        self.layout = None
+
+    def _resolve(self, coded: bool) -> dist.ProcessGroup:
+        """The hook's group, created at the first bucket with the layout and the code for ``M``."""
+        from cerar.comm.hierarchical import node_layout
+
+        if self._comm_group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "HierarchicalState needs torch.distributed initialised; call init_process_group first."
+                )
+            layout = node_layout(self.process_group, self.ranks_per_node)
+            if layout is None:
+                raise RuntimeError("HierarchicalState: this rank is not a member of its process group.")
+            if self.code is not None and self.code.world_size != layout.nodes:
+                raise ValueError(
+                    f"Argument 'code' of HierarchicalState must be for the group's {layout.nodes} nodes, "
+                    f"not world_size={self.code.world_size}."
+                )
+            self.layout = layout
+            self.ranks_per_node = layout.ranks_per_node
+            self.world_size = layout.world_size
+            self._comm_group = _new_comm_group(self.process_group)
+        if coded and self.code is None:
+            from cerar.comm.collective import default_code
+
+            assert self.layout is not None
+            self.code = default_code(self.layout.nodes)
+        return self._comm_group
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("CerarState(", f"HierarchicalState(ranks_per_node={self.ranks_per_node}, ", 1)

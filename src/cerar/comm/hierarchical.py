@@ -1,0 +1,447 @@
+"""Hierarchical all-reduce for clusters of nodes: exact inside each node, CERAR between nodes.
+
+A group of ``N = M x G`` ranks on ``M`` nodes of ``G`` ranks each (group ranks
+``k*G .. k*G + G - 1`` on node ``k``, as torchrun numbers them) reduces one tensor in three stages:
+
+1. an exact reduce-scatter inside each node, with the node group's built-in collective
+   (``dist.reduce_scatter_tensor``: NCCL on GPU, Gloo on CPU): local rank ``l`` ends with the
+   node's sum of shard ``l`` (``ceil(d / G)`` values; the tensor is zero padded to ``G`` shards);
+2. across nodes, one ring per local rank: the ``M`` ranks with local rank ``l`` all-reduce
+   shard ``l`` with CERAR (a code for ``M`` ranks, :func:`hierarchical_all_reduce`) or with the
+   exact ring (:func:`hierarchical_ring_all_reduce`). The ``G`` rings run at the same time, on
+   different node pairs, so each node's link carries ``G`` shards' worth: per node,
+   ``1 + (M-2)/c`` tensors for CERAR and ``2(M-1)/M`` for the ring, against the flat ring's
+   ``G x 2(N-1)/N``;
+3. an exact all-gather inside each node (``dist.all_gather_into_tensor``).
+
+Every rank of a node ends with the same values; nodes differ by CERAR's decoding error (within
+the code's error bound for the node sums), as the ranks of the flat :func:`cerar.all_reduce` do.
+
+The promises of the flat collective hold, checked before any data moves:
+
+* a handshake over the whole group's ring (:func:`cerar.comm.handshake.handshake`) checks that
+  every rank runs the same call: method, ``ranks_per_node``, code, dtype, size, op, policy and
+  call number; a mismatch raises :class:`SettingsMismatchError` with the same message on every
+  rank. The first call of a ``(group, ranks_per_node)`` also agrees on the layout before the
+  node groups are created, so ranks that disagree on ``ranks_per_node`` raise instead of
+  hanging in ``dist.new_group``;
+* ``nonfinite``: ``"raise"`` raises :class:`NonFiniteError` on every rank naming the group ranks
+  whose input held NaN/Inf (the tensor is left as it was); ``"exact"`` sends the shards that
+  hold NaN/Inf through the exact ring across nodes (the others still use CERAR), so NaN/Inf stay
+  where the exact sum puts them; ``"ignore"`` skips the check;
+* a dead or stalled peer makes every survivor raise :class:`cerar.transport.RingError`: in the
+  node stages the node group's collective fails (within the parent group's timeout, which the
+  node groups inherit), and across nodes the ring's point-to-point waits do.
+
+Bytes: ``CommStats.bytes_sent`` counts what this rank sent between nodes, measured at cerar's
+transport (the built-in node collectives are not counted); a node's link carries the sum over
+its ``G`` ranks.
+
+Layout: the node groups (``dist.new_group``, a collective) are created once per
+``(group, ranks_per_node)`` on the caller's thread, in the same order on every rank, and cached;
+for the default group every rank creates every node's group, for a subgroup each member creates
+its own node's (``use_local_synchronization``). The rings between nodes need no group of their
+own: they are point-to-point on the parent group between the ranks of equal local rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cerar._checks import check_choice, check_int
+from cerar.coding.code import Code
+from cerar.comm.call_checks import check_bool, check_op, check_stats, check_tensor
+from cerar.comm.collective import (
+    COMM,
+    NonFiniteError,
+    _cerar_call,
+    _count_call,
+    _ring,
+    _ring_call,
+    _Working,
+    default_code,
+    get_stats,
+)
+from cerar.comm.handshake import SettingsMismatchError, handshake, settings_hash
+from cerar.comm.policies import NONFINITE_POLICIES
+from cerar.comm.stats import CommStats
+from cerar.comm.transport import WORKSPACE, Ring, RingError, group_timeout, post_pair, wait_for
+from cerar.comm.worker_thread import CerarWork
+
+__all__ = [
+    "NodeLayout",
+    "SettingsMismatchError",
+    "hierarchical_all_reduce",
+    "hierarchical_ring_all_reduce",
+    "node_layout",
+]
+
+#: Point-to-point tag of the failure path's non-finite flags (the collective's use 0x0CE0..0x0CE3).
+NONFINITE_TAG = 0x0CE8
+METHODS = ("cerar", "ring")
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """This rank's place in a group of ``nodes x ranks_per_node`` ranks (group numbering).
+
+    Attributes:
+        world_size: ranks in the group (``N = nodes * ranks_per_node``).
+        ranks_per_node: ``G``, ranks on each node.
+        nodes: ``M``, nodes in the group.
+        rank: this rank's group rank, ``node * G + local_rank``.
+        node: this rank's node, ``0 .. M - 1``.
+        local_rank: this rank's place on its node, ``0 .. G - 1``.
+    """
+
+    world_size: int
+    ranks_per_node: int
+    nodes: int
+    rank: int
+    node: int
+    local_rank: int
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The group ranks of ``node``."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def cross_ranks(self, local_rank: int) -> list[int]:
+        """The group ranks of local rank ``local_rank`` on every node (one ring between nodes)."""
+        return [k * self.ranks_per_node + local_rank for k in range(self.nodes)]
+
+
+def node_layout(group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None) -> NodeLayout | None:
+    """The :class:`NodeLayout` of the calling rank in ``group`` (None for a non-member).
+
+    1. ``ranks_per_node`` given: it must be a positive integer dividing the group's size.
+    2. Otherwise (default group only) torchrun's ``LOCAL_WORLD_SIZE``; ``LOCAL_RANK`` and
+       ``GROUP_RANK``, where set, must agree with ranks being numbered node by node
+       (``rank = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``), as torchrun numbers them.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        return None
+    size = dist.get_world_size(group)
+    g = _ranks_per_node(group, rank, size, ranks_per_node)
+    return NodeLayout(size, g, size // g, rank, rank // g, rank % g)
+
+
+def _ranks_per_node(group: dist.ProcessGroup | None, rank: int, size: int, ranks_per_node: int | None) -> int:
+    if ranks_per_node is None:
+        if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+            raise ValueError("Argument 'ranks_per_node' must be given for a subgroup, not None.")
+        text = os.environ.get("LOCAL_WORLD_SIZE")
+        if text is None:
+            raise ValueError(
+                "Argument 'ranks_per_node' must be given when LOCAL_WORLD_SIZE is not set (torchrun sets it), not None."
+            )
+        try:
+            g = int(text)
+        except ValueError:
+            raise ValueError(f"Environment variable LOCAL_WORLD_SIZE must be an integer, not {text!r}.") from None
+        for name, expected in (("LOCAL_RANK", rank % max(g, 1)), ("GROUP_RANK", rank // max(g, 1))):
+            value = os.environ.get(name)
+            if value is not None and g > 0 and value != str(expected):
+                raise ValueError(
+                    f"Environment variable {name}={value} does not match rank {rank} with LOCAL_WORLD_SIZE={g} "
+                    f"(expected {expected}): ranks must be numbered node by node; pass ranks_per_node."
+                )
+        source = "LOCAL_WORLD_SIZE"
+    else:
+        g = check_int("ranks_per_node", ranks_per_node, minimum=1)
+        source = "ranks_per_node"
+    if g < 1 or size % g:
+        raise ValueError(f"Argument '{source}' must divide the group's size {size}, not {g}.")
+    return g
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def hierarchical_all_reduce(
+    tensor: torch.Tensor,
+    op: Any = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    ranks_per_node: int | None = None,
+    code: Code | None = None,
+    nonfinite: str = "raise",
+    stats: CommStats | None = None,
+) -> CerarWork | None:
+    """Sum (or average) ``tensor`` over ``group``, exactly inside each node and with CERAR
+    between nodes, in place; see the module docstring.
+
+    Args:
+        tensor, op, group, async_op, stats: as :func:`cerar.all_reduce`.
+        ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
+            ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
+        code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
+            Default: :func:`cerar.comm.collective.default_code` for ``M``.
+        nonfinite: ``"raise"``, ``"exact"`` or ``"ignore"`` (see the module docstring).
+    """
+    check_tensor(tensor)
+    reduce_op = check_op(op)
+    async_op = check_bool("async_op", async_op)
+    nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+    if code is not None and not isinstance(code, Code):
+        raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(code).__name__}.")
+    check_stats(stats)
+    nodes = _prepare(group, ranks_per_node, tensor.device)
+    if nodes is None:
+        return None
+    if code is not None and code.world_size != nodes.layout.nodes:
+        raise ValueError(
+            f"Argument 'code' must be for the group's {nodes.layout.nodes} nodes, not world_size={code.world_size}."
+        )
+    job = functools.partial(_hierarchical_call, tensor.detach(), reduce_op, nodes, "cerar", code, nonfinite, stats)
+    return COMM.submit(job, tensor, async_op)
+
+
+def hierarchical_ring_all_reduce(
+    tensor: torch.Tensor,
+    op: Any = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    ranks_per_node: int | None = None,
+    stats: CommStats | None = None,
+) -> CerarWork | None:
+    """:func:`hierarchical_all_reduce` with the exact ring between nodes (``hier-ring``), the
+    baseline that isolates CERAR's gain on the links between nodes. Every rank ends with the
+    same values, the exact sum up to float rounding (the order of the additions differs from
+    the flat ring's). Non-finite values stay where they are, as with :func:`cerar.ring_all_reduce`.
+    """
+    check_tensor(tensor)
+    reduce_op = check_op(op)
+    async_op = check_bool("async_op", async_op)
+    check_stats(stats)
+    nodes = _prepare(group, ranks_per_node, tensor.device)
+    if nodes is None:
+        return None
+    job = functools.partial(_hierarchical_call, tensor.detach(), reduce_op, nodes, "ring", None, "ignore", stats)
+    return COMM.submit(job, tensor, async_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# The node groups and rings of a (group, ranks_per_node), created once
+
+
+@dataclass(frozen=True)
+class _Nodes:
+    group: dist.ProcessGroup | None
+    layout: NodeLayout
+    flat: Ring  # the whole group's ring: the handshake and the failure path's flags
+    node_group: dist.ProcessGroup | None  # this rank's node (None when G == 1)
+    cross: Ring | None  # the ring of this local rank across nodes (None when M == 1)
+
+
+_NODES: dict[tuple[int, int], _Nodes] = {}
+_NODES_LOCK = threading.Lock()
+
+
+def _prepare(group: dist.ProcessGroup | None, ranks_per_node: int | None, device: torch.device) -> _Nodes | None:
+    """This rank's :class:`_Nodes` for ``group``, set up at the first call of the pair.
+
+    1. Resolve the layout (``ranks_per_node`` or torchrun's variables); non-members get None.
+    2. At the first call for ``(group, G)``: agree on ``G`` over the group's ring, on the
+       communication thread behind the calls already queued (a mismatch raises
+       :class:`SettingsMismatchError` on every rank before any group is made).
+    3. Create the node groups on this thread, in node order, and cache them.
+    """
+    flat = _ring(group)
+    if flat is None:
+        return None
+    layout = node_layout(group, ranks_per_node)
+    assert layout is not None
+    key = (id(dist.group.WORLD if group is None else group), layout.ranks_per_node)
+    with _NODES_LOCK:
+        cached = _NODES.get(key)
+    if cached is not None and cached.group is group:
+        return cached
+    COMM.submit(functools.partial(_agree_layout, flat, layout, device), torch.empty(0), False)
+    node_group = _node_groups(group, layout)
+    cross = _cross_ring(group, layout) if layout.nodes > 1 else None
+    nodes = _Nodes(group, layout, flat, node_group, cross)
+    with _NODES_LOCK:
+        _NODES[key] = nodes
+    return nodes
+
+
+def _agree_layout(flat: Ring, layout: NodeLayout, device: torch.device) -> None:
+    counter = _count_call(flat.group)
+    summary = f"hierarchical layout, {layout.nodes} nodes x {layout.ranks_per_node} ranks_per_node"
+    handshake(
+        flat,
+        settings_hash(("hierarchical-layout", layout.world_size, layout.ranks_per_node)),
+        counter,
+        summary,
+        device=device,
+    )
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _node_groups(group: dist.ProcessGroup | None, layout: NodeLayout) -> dist.ProcessGroup | None:
+    if layout.ranks_per_node == 1:
+        return None
+    timeout = group_timeout(group)
+    members = [[_global(group, r) for r in layout.node_ranks(k)] for k in range(layout.nodes)]
+    if layout.world_size == dist.get_world_size():  # every rank of the job takes part: make all, in order
+        made = [dist.new_group(ranks=ranks, timeout=timeout) for ranks in members]
+        return made[layout.node]
+    return dist.new_group(ranks=members[layout.node], timeout=timeout, use_local_synchronization=True)
+
+
+def _cross_ring(group: dist.ProcessGroup | None, layout: NodeLayout) -> Ring:
+    """The ring of this local rank across nodes, point to point on the parent group."""
+    ranks = layout.cross_ranks(layout.local_rank)
+    m, k = layout.nodes, layout.node
+    return Ring(group, k, m, _global(group, ranks[(k + 1) % m]), _global(group, ranks[(k - 1) % m]))
+
+
+# ---------------------------------------------------------------------------------------------
+# One call (on the communication thread)
+
+
+def _hierarchical_call(
+    tensor: torch.Tensor,
+    op: str,
+    nodes: _Nodes,
+    method: str,
+    code: Code | None,
+    nonfinite: str,
+    stats: CommStats | None,
+) -> None:
+    """One hierarchical call.
+
+    1. Count it on the group and run the handshake over the group's ring.
+    2. Reduce-scatter inside the node into this local rank's shard.
+    3. All-reduce the shard across nodes (CERAR or the exact ring, via the collective's own
+       call on the ring of this local rank, with its handshake, scaling and fallback).
+    4. ``nonfinite="raise"``: the nodes' ranks agree whether any shard fell back; if so,
+       every rank raises naming the ranks with NaN/Inf, the tensor unchanged.
+    5. Divide (``avg``) and all-gather inside the node; write back.
+    """
+    layout = nodes.layout
+    counter = _count_call(nodes.group)
+    started = time.perf_counter()
+    call = CommStats()
+    crossed = False  # the call across nodes ran and recorded itself in the group's statistics
+    try:
+        with _Working(tensor) as flat:
+            m = layout.nodes
+            if m > 1 and method == "cerar":
+                precision = "fp64" if flat.dtype == torch.float64 else "fp32"
+                code = code if code is not None else default_code(m, precision)
+            fingerprint = code.fingerprint if code is not None else None
+            identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(flat.dtype), flat.numel(), op)
+            identity += (nonfinite,)
+            summary = (
+                f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {flat.dtype}, "
+                f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}"
+            )
+            handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device)
+            if layout.world_size == 1:
+                return
+            d = flat.numel()
+            shard_size = math.ceil(d / layout.ranks_per_node)
+            padded = _padded(flat, shard_size * layout.ranks_per_node)
+            shard = padded
+            if nodes.node_group is not None:
+                shard = WORKSPACE.get("hier_shard", (shard_size,), flat.dtype, flat.device)
+                _in_node(nodes, "reduce-scatter", dist.reduce_scatter_tensor, shard, padded)
+            if nodes.cross is not None:
+                inner = CommStats()
+                crossed = True
+                if method == "cerar":
+                    policy = "ignore" if nonfinite == "ignore" else "exact"
+                    _cerar_call(shard, "sum", nodes.cross, code, policy, inner)
+                else:
+                    _ring_call(shard, "sum", nodes.cross, None, inner)
+                call.add(inner)
+            if nonfinite == "raise" and method == "cerar":
+                _raise_if_nonfinite(nodes, call, flat)
+            if op == "avg":
+                shard.div_(layout.world_size)
+            if nodes.node_group is not None:
+                _in_node(nodes, "all-gather", dist.all_gather_into_tensor, padded, shard)
+            if padded is not flat:
+                flat.copy_(padded[:d])
+    finally:
+        wall = time.perf_counter() - started
+        if not crossed:
+            get_stats(nodes.group).add(CommStats(calls=1, wall_s=wall))
+        call.calls, call.wall_s = 1, wall
+        if stats is not None:
+            stats.add(call)
+
+
+def _padded(flat: torch.Tensor, size: int) -> torch.Tensor:
+    """``flat`` itself, or a copy zero padded to ``size`` values (``G`` equal shards)."""
+    if flat.numel() == size:
+        return flat
+    padded = WORKSPACE.get("hier_padded", (size,), flat.dtype, flat.device)
+    padded[: flat.numel()].copy_(flat)
+    padded[flat.numel() :].zero_()
+    return padded
+
+
+def _in_node(nodes: _Nodes, what: str, collective: Callable[..., Any], *args: Any) -> None:
+    """Run ``collective(*args, group=node group)``; its failure becomes :class:`RingError`."""
+    try:
+        collective(*args, group=nodes.node_group)
+    except RuntimeError as exc:
+        layout = nodes.layout
+        raise RingError(
+            f"cerar: the node group's {what} failed on group rank {layout.rank} (node {layout.node}, local rank "
+            f"{layout.local_rank}): a peer died or stalled past the process group's timeout. Cause: {exc}"
+        ) from exc
+
+
+def _raise_if_nonfinite(nodes: _Nodes, call: CommStats, flat: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteError` on every rank if any shard's ring fell back to the exact
+    ring (NaN/Inf there). The ranks of one ring decide alike and every node holds one rank of
+    each ring, so one maximum over the node tells every rank of the group the same."""
+    fell_back = torch.tensor([1.0 if call.fallbacks else 0.0], device=flat.device)
+    if nodes.node_group is not None:
+        _in_node(nodes, "non-finite flag", dist.all_reduce, fell_back, dist.ReduceOp.MAX)
+    if not float(fell_back.item()):
+        return
+    call.nonfinite_events += 1
+    call.fallbacks = 0  # the exact ring only found it: the call raises
+    flagged = _flagged_ranks(nodes.flat, bool(torch.isfinite(flat).all()), flat.device)
+    raise NonFiniteError(
+        f"cerar.hierarchical_all_reduce: NaN or Inf in the input of rank(s) {flagged} (group ranks); "
+        f"CERAR's mixing would spread it across its column (all c components) on every node. "
+        f"Pass nonfinite='exact' to send the shards that hold it through the exact ring instead."
+    )
+
+
+def _flagged_ranks(ring: Ring, finite: bool, device: torch.device) -> list[int]:
+    """The group ranks whose input is not finite, on every rank: ``N - 1`` hops of an
+    element-wise maximum around the group's ring (the failure path only)."""
+    own = torch.zeros(ring.size, dtype=torch.float64, device=device)
+    own[ring.rank] = 0.0 if finite else 1.0
+    total, received = own.clone(), torch.empty_like(own)
+    for hop in range(1, ring.size):
+        recv_work, send_work = post_pair(total.clone(), received, ring, hop, NONFINITE_TAG)
+        wait_for(recv_work, ring, hop)
+        wait_for(send_work, ring, hop)
+        torch.maximum(own, received, out=total)
+    return [r for r in range(ring.size) if total[r] > 0]
