@@ -114,8 +114,11 @@ def test_parse_method() -> None:
     assert parse_method("cerar:10", 4) == ("cerar", {"components": 10})
     assert parse_method("powersgd:2", 4) == ("powersgd", {"powersgd_rank": 2})
     assert parse_method("bf16", 4) == ("bf16", {})
+    assert parse_method("cerar:8:fp16", 4) == ("cerar", {"components": 8, "packet": "fp16"})
+    assert parse_method("cerar:2N:bf16", 4) == ("cerar", {"components": 8, "packet": "bf16"})
+    assert TrainConfig(method="cerar", components=8, packet="fp16").label == "cerar-c8-fp16-s0"
     assert set(HOOKS) == {"allreduce", "ring", "cerar", "fp16", "bf16", "powersgd"}
-    for bad in ("fp16:2", "cerar:x", "powersgd:2N", "cerar:0", "nccl"):
+    for bad in ("fp16:2", "cerar:x", "powersgd:2N", "cerar:0", "nccl", "cerar:8:fp8", "ring:2:fp16"):
         with pytest.raises(ValueError, match="Argument 'method'"):
             parse_method(bad, 4)
 

@@ -90,7 +90,7 @@ def _two_passes(model: DDP, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
     _loss(model, batch).backward()
 
 
-def _parity(rank: int, world_size: int, which: str) -> dict[str, Any]:
+def _parity(rank: int, world_size: int, which: str, packet: str | None = None) -> dict[str, Any]:
     batch = _batch(rank)
     # The exact mean, and each rank's local gradient (for the code's error bound).
     plain = _model()
@@ -101,9 +101,16 @@ def _parity(rank: int, world_size: int, which: str) -> dict[str, Any]:
     _two_passes(reference, batch)
     expected = _flat_grad(reference).double()
 
-    code = codes.exact(world_size) if which == "exact" else codes.perturbed(world_size, 2 * world_size)
+    if which == "exact":
+        code = codes.exact(world_size)
+    elif packet is None:
+        code = codes.perturbed(world_size, 2 * world_size)
+    else:
+        code = codes.optimized(world_size, 2 * world_size, {"float16": "fp16", "bfloat16": "bf16"}[packet])
     model = _ddp(_model())
-    state = CerarState(code=code, min_bucket_bytes=0)  # the test's buckets: far below the default
+    packet_dtype = None if packet is None else getattr(torch, packet)
+    # The test's buckets: far below the default bucket policy's threshold.
+    state = CerarState(code=code, min_bucket_bytes=0, packet_dtype=packet_dtype)
     model.register_comm_hook(state, ring_hook if which == "ring" else cerar_hook)
     _two_passes(model, batch)
     got = _flat_grad(model).double()
@@ -114,7 +121,7 @@ def _parity(rank: int, world_size: int, which: str) -> dict[str, Any]:
     return {
         "error": float(torch.linalg.vector_norm(got - expected)),
         "allowed": 2.0
-        * (float(code.error_bound[rank]) * spread + float(code.predicted_error()[rank]) * total)
+        * (float(code.error_bound[rank]) * spread + float(code.predicted_error(packet or "fp32")[rank]) * total)
         / world_size,
         "scale": float(torch.linalg.vector_norm(expected)),
         "same_everywhere": all(torch.equal(g, everyone[0]) for g in everyone),
@@ -136,6 +143,15 @@ def test_cerar_matches_ddp_within_the_code_bound() -> None:
         assert out["error"] <= out["allowed"]
     # Rank 1 of 3 decodes an approximation: not bitwise equal to the others.
     assert results[1]["error"] > 0
+
+
+@pytest.mark.parametrize("packet", ["float16", "bfloat16"])
+def test_sixteen_bit_packets_match_ddp_within_their_bound(packet: str) -> None:
+    results = check(run_ranks(_parity, 3, "cerar", packet, timeout=TIMEOUT))
+    float32 = check(run_ranks(_parity, 3, "cerar", timeout=TIMEOUT))
+    for out, wide in zip(results, float32, strict=True):
+        assert out["error"] <= out["allowed"]
+        assert 0 < out["bytes"] <= 0.5 * wide["bytes"] + 1024  # half the bytes (the handshake aside)
 
 
 def test_ring_hook_matches_ddp_and_is_identical_on_every_rank() -> None:

@@ -81,7 +81,14 @@ def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futu
         state,
         bucket,
         lambda buffer, group, call: all_reduce(
-            buffer, "avg", group, True, code=state.code, nonfinite=state.nonfinite, stats=call
+            buffer,
+            "avg",
+            group,
+            True,
+            code=state.code,
+            nonfinite=state.nonfinite,
+            packet_dtype=state.packet_dtype,
+            stats=call,
         ),
         coded=True,
     )

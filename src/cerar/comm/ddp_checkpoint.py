@@ -19,11 +19,22 @@ from cerar.coding.code import Code
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
 
-__all__ = ["KEYS", "STATE_DICT_FORMAT", "check_count", "check_every", "check_tol", "from_state_dict", "to_state_dict"]
+__all__ = [
+    "KEYS",
+    "STATE_DICT_FORMAT",
+    "check_count",
+    "check_every",
+    "check_packet_dtype",
+    "check_tol",
+    "from_state_dict",
+    "to_state_dict",
+]
 
 #: The ``"format"`` entry of a ``CerarState.state_dict()`` (2: the bucket policy's settings and
-#: counts were added).
-STATE_DICT_FORMAT = "cerar.comm.ddp.CerarState/2"
+#: counts were added; 3: ``packet_dtype``, and ``rescales`` in the statistics).
+STATE_DICT_FORMAT = "cerar.comm.ddp.CerarState/3"
+#: ``packet_dtype`` settings by the name a state_dict saves them under (plain strings).
+PACKET_DTYPE_NAMES = (None, "float32", "float64", "float16", "bfloat16")
 #: Statistics saved as they are: counts, seconds, divergences (``None`` if never measured).
 COUNTERS = ("iteration", "steps", "resyncs", "sparse_buckets", "exact_buckets", "exact_bytes")
 SECONDS = ("resync_s",)
@@ -33,6 +44,7 @@ KEYS = (
     "format",
     "code",
     "nonfinite",
+    "packet_dtype",
     "min_bucket_bytes",
     "start_iter",
     "resync_every",
@@ -70,6 +82,7 @@ def to_state_dict(state: Any, rank: int | None, world_size: int | None) -> dict[
         "format": STATE_DICT_FORMAT,
         "code": None if state.code is None else json.loads(state.code.to_json()),
         "nonfinite": state.nonfinite,
+        "packet_dtype": None if state.packet_dtype is None else str(state.packet_dtype).removeprefix("torch."),
         "min_bucket_bytes": state.min_bucket_bytes,
         "start_iter": state.start_iter,
         "resync_every": state.resync_every,
@@ -110,6 +123,7 @@ def from_state_dict(state_dict: Any, code: Code | None, rank: int | None, world_
     parsers: dict[str, Callable[[Any], Any]] = {
         "code": lambda v: _loaded_code(v, code),
         "nonfinite": lambda v: check_choice("nonfinite", v, NONFINITE_POLICIES),
+        "packet_dtype": _packet_dtype,
         "min_bucket_bytes": lambda v: check_count("min_bucket_bytes", v),
         "start_iter": lambda v: check_count("start_iter", v),
         "resync_every": lambda v: check_every("resync_every", v),
@@ -142,6 +156,27 @@ def _real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Argument '{name}' must be a real number or None, not {value!r}.")
     return float(value)
+
+
+def check_packet_dtype(value: Any) -> Any:
+    """``packet_dtype``: None or one of torch.float32, float64, float16, bfloat16."""
+    import torch
+
+    allowed = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    if value not in allowed:
+        raise ValueError(
+            f"Argument 'packet_dtype' must be None, torch.float32, torch.float64, torch.float16 or "
+            f"torch.bfloat16, not {value!r}."
+        )
+    return value
+
+
+def _packet_dtype(value: Any) -> Any:
+    import torch
+
+    if value not in PACKET_DTYPE_NAMES:
+        raise ValueError(f"expected one of {PACKET_DTYPE_NAMES}, not {value!r}")
+    return None if value is None else getattr(torch, value)
 
 
 def _comm_stats(value: Any) -> CommStats:

@@ -18,6 +18,7 @@ from cerar.coding.code import Code
 from cerar.comm.ddp_checkpoint import (
     check_count,
     check_every,
+    check_packet_dtype,
     check_tol,
     from_state_dict,
     to_state_dict,
@@ -65,6 +66,10 @@ class CerarState(ReplicaSync):
             across the ``c`` components of its column on every rank; the ring keeps it where it
             was, as DDP's default would) and ``stats.fallbacks`` counts it. ``"raise"``: backward
             raises :class:`cerar.comm.collective.NonFiniteError` on every rank. ``"ignore"``: no check.
+        packet_dtype: CERAR's packets on the wire (see :func:`cerar.all_reduce`): ``None``
+            (float32 for float32 gradients), or ``torch.float16`` / ``torch.bfloat16``, half the
+            bytes; the default code is then the one tuned for that precision. Ignored by
+            :func:`ring_hook`.
         resync_every: re-synchronise the replicas every this many optimizer steps (``None``:
             never on a schedule). Each re-sync broadcasts all parameters from the group's rank 0:
             ``4 x parameters`` bytes leave rank 0, about the time of one exact all-reduce.
@@ -95,7 +100,7 @@ class CerarState(ReplicaSync):
     ``optimizer.step()``) or automatically once :meth:`attach` has registered it as an optimizer
     step hook.
 
-    Attributes (settings): ``process_group``, ``code``, ``nonfinite``, ``min_bucket_bytes``,
+    Attributes (settings): ``process_group``, ``code``, ``nonfinite``, ``packet_dtype``, ``min_bucket_bytes``,
     ``start_iter``, ``resync_every``, ``divergence_tol``, ``on_step`` as given (``code`` resolved
     to the concrete default at the first bucket by :func:`cerar_hook`); ``world_size``: the
     group's size (``None`` until then).
@@ -147,6 +152,7 @@ class CerarState(ReplicaSync):
         "min_bucket_bytes",
         "nonfinite",
         "on_step",
+        "packet_dtype",
         "process_group",
         "resync_every",
         "resync_s",
@@ -168,6 +174,7 @@ class CerarState(ReplicaSync):
         code: Code | None = None,
         *,
         nonfinite: str = "exact",
+        packet_dtype: torch.dtype | None = None,
         min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
         start_iter: int = 0,
         resync_every: int | None = None,
@@ -187,6 +194,7 @@ class CerarState(ReplicaSync):
         self.code: Code | None = code
         self.world_size: int | None = None  # resolved at the first bucket
         self.nonfinite: str = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        self.packet_dtype: torch.dtype | None = check_packet_dtype(packet_dtype)
         self.min_bucket_bytes: int = check_count("min_bucket_bytes", min_bucket_bytes)
         self.start_iter: int = check_count("start_iter", start_iter)
         self.resync_every: int | None = check_every("resync_every", resync_every)
@@ -276,9 +284,11 @@ class CerarState(ReplicaSync):
             self.world_size = world_size
             self._comm_group = _new_comm_group(self.process_group)
         if coded and self.code is None:
+            from cerar.coding.precision import precision_name
             from cerar.comm.collective import default_code
 
-            self.code = default_code(dist.get_world_size(self.process_group))
+            precision = "fp32" if self.packet_dtype is None else precision_name(self.packet_dtype)
+            self.code = default_code(dist.get_world_size(self.process_group), precision)
         return self._comm_group
 
     def _note_bucket(self, index: int, numel: int) -> CommStats:
@@ -321,7 +331,8 @@ class CerarState(ReplicaSync):
 
     def __repr__(self) -> str:
         return (
-            f"CerarState({self.code!r}, nonfinite={self.nonfinite!r}, min_bucket_bytes={self.min_bucket_bytes}, "
+            f"CerarState({self.code!r}, nonfinite={self.nonfinite!r}, packet_dtype={self.packet_dtype}, "
+            f"min_bucket_bytes={self.min_bucket_bytes}, "
             f"start_iter={self.start_iter}, resync_every={self.resync_every}, "
             f"divergence_tol={self.divergence_tol}, iteration={self.iteration}, resyncs={self.resyncs})"
         )

@@ -37,6 +37,8 @@ class AllReduceMethod:
         traffic: values sent per rank per value reduced, as a function of ``(N, c)``.
         rounds: sequential message rounds per call, as a function of ``(N, c)``.
         requires: a module that must be importable for the method to exist (else it is skipped).
+        packet_precision: the precision the method's codes are designed for (``"fp32"``, or
+            ``"fp16"``/``"bf16"`` for CERAR with 16-bit packets).
         hierarchical: exact inside each node, the algorithm only between nodes
             (:mod:`cerar.comm.hierarchical`): ``traffic`` and ``rounds`` are then functions of the
             number of nodes ``M`` (and the code is for ``M``), and each rank sends ``1/G`` of it.
@@ -51,6 +53,7 @@ class AllReduceMethod:
     traffic: Callable[[int, int | None], float] = lambda n, c: 2.0 * (n - 1) / n
     rounds: Callable[[int, int | None], int] = lambda n, c: 2 * (n - 1)
     requires: str | None = "cerar.comm.collective"
+    packet_precision: str = "fp32"
     hierarchical: bool = False
 
     def ring_size(self, world_size: int, ranks_per_node: int = 1) -> int:
@@ -114,6 +117,17 @@ def _cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
     all_reduce(tensor, code=code, stats=stats)
 
 
+def _cerar_16(packet: str) -> Call:
+    def call(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
+        import torch
+
+        from cerar.comm.collective import all_reduce
+
+        all_reduce(tensor, code=code, packet_dtype=getattr(torch, packet), stats=stats)
+
+    return call
+
+
 def _ranks_per_node() -> int | None:
     """The launcher's ``CERAR_RANKS_PER_NODE`` (else None: torchrun's ``LOCAL_WORLD_SIZE``)."""
     import os
@@ -174,6 +188,26 @@ ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = {
             coded=True,
             traffic=_cerar_traffic,
             rounds=_cerar_rounds,
+        ),
+        AllReduceMethod(
+            "cerar-fp16",
+            "CERAR with float16 packets (power-of-two scaled; codes designed for float16), decoded in float64",
+            _cerar_16("float16"),
+            coded=True,
+            wire_bytes_per_value=2.0,
+            traffic=_cerar_traffic,
+            rounds=_cerar_rounds,
+            packet_precision="fp16",
+        ),
+        AllReduceMethod(
+            "cerar-bf16",
+            "CERAR with bfloat16 packets (codes designed for bfloat16), decoded in float64",
+            _cerar_16("bfloat16"),
+            coded=True,
+            wire_bytes_per_value=2.0,
+            traffic=_cerar_traffic,
+            rounds=_cerar_rounds,
+            packet_precision="bf16",
         ),
         AllReduceMethod(
             "hier-ring",

@@ -39,7 +39,7 @@ def format_table(doc: dict[str, Any]) -> str:
             head += ", loopback, unlimited"
         lines += [head, ""]
         header = (
-            f"  {'size':>5}  {'method':<12} {'time ms':>8} {'[min..max]':>17} {'busbw MB/s':>10} "
+            f"  {'size':>5}  {'method':<16} {'time ms':>8} {'[min..max]':>17} {'busbw MB/s':>10} "
             f"{'x builtin':>9} {'x theory':>8} {'MB/rank':>8} {'x wire':>6} {'enc ms':>7} {'dec ms':>7} "
             f"{'worst err':>9}"
         )
@@ -52,7 +52,7 @@ def format_table(doc: dict[str, Any]) -> str:
             wire = r["time_median_s"] / r["wire_limit_s"] if r.get("wire_limit_s") else None
             wire_text = "-" if wire is None else f"{wire:.2f}"
             lines.append(
-                f"  {size:>5}  {series_label(r, several):<12} {_ms(r['time_median_s']):>8} {spread:>17} "
+                f"  {size:>5}  {series_label(r, several):<16} {_ms(r['time_median_s']):>8} {spread:>17} "
                 f"{r['busbw_bytes_per_s'] / 1e6:>10.1f} {_ratio(r['ratio_to_builtin']):>9} "
                 f"{_ratio(r['theory_ratio_to_builtin']):>8} {r['bytes_sent_per_rank'] / 1e6:>8.2f} "
                 f"{wire_text:>6} {_ms(r['encode_s']):>7} {_ms(r['decode_s']):>7} "
@@ -90,7 +90,7 @@ def _model_lines(doc: dict[str, Any], regime: str) -> list[str]:
         bw = f["bandwidth_bytes_per_s"]
         star = "*" if f.get("alpha_clamped") else " "
         out.append(
-            f"    {series_label(f, several):<12} alpha {f['alpha_s'] * 1e6:>8.1f}{star} us/round   1/beta "
+            f"    {series_label(f, several):<16} alpha {f['alpha_s'] * 1e6:>8.1f}{star} us/round   1/beta "
             f"{'-' if bw is None else f'{bw / 1e6:.1f}':>7} MB/s   (rounds {f['rounds']}, worst misfit "
             f"{f['max_rel_residual']:.0%})"
         )
@@ -104,7 +104,7 @@ def _model_lines(doc: dict[str, Any], regime: str) -> list[str]:
         measured = x["measured_crossover_bytes"]
         seen = f"faster from {format_size(measured)} up" if measured is not None else "not faster at the top size"
         out.append(
-            f"    {series_label(x, several):<12} vs builtin: model says {predicted}; measured {seen} "
+            f"    {series_label(x, several):<16} vs builtin: model says {predicted}; measured {seen} "
             f"({x['sizes_agreeing']}/{x['sizes_compared']} sizes agree)"
         )
     return out

@@ -59,9 +59,9 @@ __all__ = [
 Log = Callable[[str], None]
 
 
-def make_code(world_size: int, components: int, construction: str) -> Code:
-    """The code a ``cerar`` series uses (tuned for float32 packets)."""
-    return codes.build(construction, world_size, components, "fp32")
+def make_code(world_size: int, components: int, construction: str, precision: str = "fp32") -> Code:
+    """The code a ``cerar`` series uses, tuned for its packet precision."""
+    return codes.build(construction, world_size, components, precision)
 
 
 def build_cases(config: BenchConfig) -> list[dict[str, Any]]:
@@ -75,7 +75,8 @@ def build_cases(config: BenchConfig) -> list[dict[str, Any]]:
         for construction in config.constructions:
             for c in config.components or ():
                 # Hierarchical methods run CERAR between the M nodes: their code is for M.
-                code = make_code(method.ring_size(config.world_size, config.ranks_per_node), c, construction)
+                nodes = method.ring_size(config.world_size, config.ranks_per_node)
+                code = make_code(nodes, c, construction, method.packet_precision)
                 series.append(
                     {
                         "method": name,
@@ -211,7 +212,13 @@ def _run_regime(
         bar.set_postfix_str(f"{regime} {progress.detail}", refresh=False)
         bar.refresh()
 
-    info: dict[str, Any] = {"rate": None, "delay": None, "link_rate_bytes_per_s": None, "error": None}
+    info: dict[str, Any] = {
+        "rate": None,
+        "delay": None,
+        "link_rate_bytes_per_s": None,
+        "error": None,
+        "launcher": config.launcher,
+    }
     with tempfile.TemporaryDirectory(prefix="cerar-bench-") as tmp:
         out = Path(tmp) / "records.json"
         cfg = Path(tmp) / "config.json"
@@ -236,6 +243,8 @@ def _run_regime(
                 timeout_s=estimate_timeout_s(cases, config, regime),
                 on_line=on_line,
                 ranks_per_node=config.ranks_per_node,
+                launcher=config.launcher,
+                rdzv=config.rdzv,
             )
             info.update(link_rate_bytes_per_s=result.link_rate_bytes_per_s)
             if regime == "slow":

@@ -105,6 +105,8 @@ class TrainConfig:
     Args:
         method: a key of :data:`~cerar.experiments.train.methods.HOOKS`.
         components: ``cerar``: the code's ``c`` (``None``: ``2N``).
+        packet: ``cerar``: 16-bit packets, ``"fp16"`` or ``"bf16"`` (``None``: float32), from
+            the spec ``cerar:8:fp16``; the code is then tuned for that precision.
         seed: initial weights and data order.
         nonfinite, resync_every, divergence_tol: ``cerar``/``ring``: see
             :class:`cerar.comm.ddp.CerarState`.
@@ -116,6 +118,7 @@ class TrainConfig:
 
     method: str = "allreduce"
     components: int | None = None
+    packet: str | None = None
     powersgd_rank: int = field(default=4, metadata=flag("powersgd: the matrix approximation rank"))
     steps: int = field(default=200, metadata=flag("optimizer steps"))
     batch_size: int = field(default=8, metadata=flag("sequences per rank per step (global batch N x this)"))
@@ -155,6 +158,10 @@ class TrainConfig:
         check_choice("method", self.method, HOOKS)
         if self.components is not None:
             check_int("components", self.components, minimum=1)
+        if self.packet is not None:
+            check_choice("packet", self.packet, PACKETS)
+            if self.method != "cerar":
+                raise ValueError(f"Argument 'packet' applies to method 'cerar' only, not {self.method!r}.")
         check_int("powersgd_rank", self.powersgd_rank, minimum=1)
         check_int("steps", self.steps, minimum=1)
         check_int("batch_size", self.batch_size, minimum=1)
@@ -180,7 +187,7 @@ class TrainConfig:
     def name(self) -> str:
         """The method with its parameter: ``allreduce``, ``cerar-c8``, ``powersgd-r4``."""
         if self.method == "cerar" and self.components is not None:
-            return f"{self.method}-c{self.components}"
+            return f"{self.method}-c{self.components}" + (f"-{self.packet}" if self.packet else "")
         if self.method == "powersgd":
             return f"{self.method}-r{self.powersgd_rank}"
         return self.method
@@ -227,15 +234,29 @@ class TrainConfig:
         return cls.from_dict(json.loads(text))
 
 
-def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, int]]:
-    """``"cerar"``, ``"cerar:12"``, ``"cerar:3N"``, ``"powersgd:2"``, ``"fp16"``... into
-    ``(method, overrides)`` with ``overrides`` the TrainConfig fields it sets (the hook's
-    :attr:`~cerar.experiments.train.methods.Hook.parameter`)."""
+#: CERAR's 16-bit packet precisions in a method spec (``cerar:8:fp16``).
+PACKETS = ("fp16", "bf16")
+
+
+def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
+    """``"cerar"``, ``"cerar:12"``, ``"cerar:3N"``, ``"cerar:8:fp16"``, ``"cerar:2N:bf16"``,
+    ``"powersgd:2"``, ``"fp16"``... into ``(method, overrides)`` with ``overrides`` the
+    TrainConfig fields it sets (the hook's
+    :attr:`~cerar.experiments.train.methods.Hook.parameter`, and ``packet``)."""
     world_size = check_int("world_size", world_size, minimum=1)
     if not isinstance(spec, str):
         raise TypeError(f"Argument 'method' must be a string, not {spec!r}.")
     name, _, param = spec.partition(":")
     hook = HOOKS[check_choice("method", name, HOOKS)]
+    param, _, packet = param.partition(":")
+    if packet:
+        if name != "cerar" or packet not in PACKETS:
+            raise ValueError(
+                f"Argument 'method' takes a packet precision only as 'cerar:8:fp16' or 'cerar:2N:bf16' "
+                f"(one of {', '.join(PACKETS)}), not {spec!r}."
+            )
+        name, overrides = parse_method(f"{name}:{param}" if param else name, world_size)
+        return name, {**overrides, "packet": packet}
     if not param:
         return name, ({hook.parameter: 2 * world_size} if hook.per_rank and hook.parameter else {})
     if hook.parameter is None:

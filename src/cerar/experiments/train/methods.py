@@ -14,6 +14,8 @@ method         hook                                                        bytes
                one thread (see :class:`_SerialHook`)
 ``ring``       :func:`cerar.comm.ddp.ring_hook` (exact ring, cerar transport)    measured
 ``cerar``      :func:`cerar.comm.ddp.cerar_hook` with ``perturbed(N, c)``        measured
+               (``cerar:c:fp16``/``:bf16``: 16-bit packets, ``optimized(N, c)``
+               designed for that precision)
 =============  ==========================================================  ==================
 
 "Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.stats.CommStats`);
@@ -49,7 +51,7 @@ POWERSGD_START = 10  # PowerSGD's exact warm-up steps (torch's default, 1000, is
 #: What :meth:`InstalledHook.counters` returns, in order.
 COUNTERS = (
     "bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s", "fallbacks", "nonfinite_events",
-    "resyncs", "resync_s", "exact_buckets",
+    "resyncs", "resync_s", "exact_buckets", "rescales",
 )  # fmt: skip
 
 
@@ -59,6 +61,7 @@ class HookSettings(Protocol):
 
     method: str
     components: int | None
+    packet: str | None
     powersgd_rank: int
     seed: int
     nonfinite: str
@@ -97,6 +100,7 @@ class InstalledHook:
                 "resyncs": float(self.state.resyncs),
                 "resync_s": self.state.resync_s,
                 "exact_buckets": float(self.state.exact_buckets),
+                "rescales": float(stats.rescales),
             }
         # Gloo's own collectives: only the computed bytes and the count are known.
         figures = dict.fromkeys(COUNTERS, 0.0)
@@ -154,7 +158,8 @@ def _ring_bytes(world_size: int, elements: int, element_size: int) -> int:
 
 
 def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
-    """``cerar`` (``perturbed(N, c)``) or ``ring`` (the exact ring on the same transport)."""
+    """``cerar`` (``perturbed(N, c)`` for float32 packets, ``optimized(N, c)`` designed for the
+    precision of 16-bit ones) or ``ring`` (the exact ring on the same transport)."""
     import torch
 
     from cerar.coding import codes
@@ -162,21 +167,30 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
 
     coded = config.method == "cerar"
     components = config.components if config.components is not None else 2 * world_size
+    precision = config.packet or "fp32"
+    code = None
+    if coded:
+        code = codes.perturbed(world_size, components) if precision == "fp32" else codes.optimized(
+            world_size, components, precision
+        )
     state = CerarState(
-        code=codes.perturbed(world_size, components) if coded else None,
+        code=code,
         nonfinite=config.nonfinite,
+        packet_dtype={"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[precision],
         min_bucket_bytes=round(config.min_bucket_mb * 2**20),  # MB as DDP's bucket_cap_mb: MiB
         resync_every=config.resync_every,
         divergence_tol=config.divergence_tol,
     )
     if coded:
-        installed = InstalledHook("cerar", True, f"cerar_hook, {state.code!r}", state=state)
+        packets = "" if precision == "fp32" else f", {precision} packets"
+        installed = InstalledHook("cerar", True, f"cerar_hook{packets}, {state.code!r}", state=state)
         installed.extra = {
             "components": components,
             "code": repr(state.code),
             "comm_rate": state.code.comm_rate,
             "ring_comm_rate": state.code.ring_comm_rate,
-            "predicted_worst_error": state.code.predicted_worst_error("fp32"),
+            "packet": precision,
+            "predicted_worst_error": state.code.predicted_worst_error(precision),
         }
     else:
         installed = InstalledHook("ring", True, "ring_hook (exact ring, cerar transport)", state=state)
@@ -260,7 +274,7 @@ HOOKS: dict[str, Hook] = {
     for hook in (
         Hook("allreduce", "allreduce", _builtin("allreduce_hook", 4, "allreduce_hook (= DDP's default)")),
         Hook("ring", "ring", _build_cerar_or_ring),
-        Hook("cerar", "cerar[:c|:kN]", _build_cerar_or_ring, parameter="components", per_rank=True),
+        Hook("cerar", "cerar[:c|:kN][:fp16|:bf16]", _build_cerar_or_ring, parameter="components", per_rank=True),
         Hook("fp16", "fp16", _builtin("fp16_compress_hook", 2, "fp16_compress_hook")),
         Hook("bf16", "bf16", _builtin("bf16_compress_hook", 2, "bf16_compress_hook")),
         Hook("powersgd", "powersgd[:r]", _build_powersgd, parameter="powersgd_rank"),

@@ -78,6 +78,7 @@ class RunSummary:
     nonfinite_events: int
     fallbacks: int
     resyncs: int
+    rescales: int
     skipped_steps: int
     parameters: int
 
@@ -142,6 +143,7 @@ def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
         nonfinite_events=int(max(c["nonfinite_events"] for c in counters)),
         fallbacks=int(max(c["fallbacks"] for c in counters)),
         resyncs=int(max(c["resyncs"] for c in counters)),
+        rescales=int(max(c.get("rescales", 0) for c in counters)),
         skipped_steps=int(max(r["skipped_steps"] for r in ranks)),
         parameters=int(first["parameters"]),
     )
@@ -247,7 +249,7 @@ def format_table(
     """The summary table as text (also valid Markdown)."""
     header = (
         "| run | final val loss | time to target (s) | train time (s) | step (ms) | exposed comm (ms) "
-        "| bytes/step (MB) | max divergence | non-finite | resyncs |"
+        "| bytes/step (MB) | max divergence | non-finite | resyncs | rescales |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for s in summaries:
@@ -255,7 +257,7 @@ def format_table(
         lines.append(
             f"| {s.label} | {s.final_val_loss:.4f} | {fmt(s.time_to_target_s, '.1f')} | {s.train_time_s:.1f} "
             f"| {1e3 * s.step_s:.1f} | {1e3 * s.exposed_comm_s:.1f} | {s.bytes_per_step / 1e6:.3f} ({kind}) "
-            f"| {s.max_divergence:.2e} | {s.nonfinite_events} | {s.resyncs} |"
+            f"| {s.max_divergence:.2e} | {s.nonfinite_events} | {s.resyncs} | {s.rescales} |"
         )
     notes = [
         "",
