@@ -171,6 +171,8 @@ def _mismatch_worker(rank: int, world: int, kind: str) -> str:
     if kind == "code":
         code = codes.perturbed(world, 12 if rank == 1 else 8)
         cerar.all_reduce(x, code=code)
+    elif kind == "delta":  # a difference that a short repr would hide
+        cerar.all_reduce(x, code=codes.perturbed(world, 8, 0.1000001 if rank == 2 else 0.1))
     elif kind == "size":
         cerar.all_reduce(torch.randn(1000 + rank), code=codes.perturbed(world, 8))
     else:
@@ -178,7 +180,7 @@ def _mismatch_worker(rank: int, world: int, kind: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("kind", ["code", "size", "dtype"])
+@pytest.mark.parametrize("kind", ["code", "delta", "size", "dtype"])
 def test_mismatched_settings_raise_on_every_rank(kind: str) -> None:
     results = run_ranks(_mismatch_worker, 4, kind, timeout=60, pg_timeout=20)
     messages = set()
@@ -186,7 +188,30 @@ def test_mismatched_settings_raise_on_every_rank(kind: str) -> None:
         assert isinstance(r, RankFailure) and r.type_name == "SettingsMismatchError", r
         messages.add(r.message)
     assert len(messages) == 1  # the same clear error everywhere
-    assert "rank 0" in messages.pop()
+    message = messages.pop()
+    assert "rank 0" in message
+    if kind == "delta":  # each rank's field at full precision
+        assert "rank 2: perturbed(N=4, c=8, delta=0.1000001" in message
+        assert "rank 1: perturbed(N=4, c=8, delta=0.1," in message
+
+
+def _unusable_code_worker(rank: int, world: int) -> tuple[str, bool]:
+    code = codes.perturbed(world, 2 * world)  # tuned for float32: noise with bfloat16 packets
+    x = torch.randn(1000)
+    try:
+        cerar.all_reduce(x.clone(), code=code, packet_dtype=torch.bfloat16)
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    cerar.all_reduce(x, code=code, packet_dtype=torch.bfloat16, max_error=None)  # the explicit override
+    return message, bool(torch.isfinite(x).all())
+
+
+def test_a_code_useless_at_the_packet_precision_is_refused_unless_overridden() -> None:
+    for message, ran in check(run_ranks(_unusable_code_worker, 4, timeout=60)):
+        assert "perturbed(N=4, c=8) at bf16 packets has a predicted worst-rank error of" in message
+        assert "max_error=None" in message
+        assert ran
 
 
 def _nonfinite_worker(rank: int, world: int, policy: str, position: int = 17) -> tuple[list[int], int, float]:

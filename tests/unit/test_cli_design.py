@@ -112,6 +112,17 @@ def test_constructions_and_options(
         assert info["params"]["precision"] == "fp64"
 
 
+def test_codes_above_the_error_limit_are_shown_and_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = _run(capsys, "-N", "4", "-c", "8", "--construction", "vandermonde", "--size", "80", "--json")
+    assert status == 0
+    info = _strict_json(out)
+    assert info["above_error_limit"] is True and info["predicted_worst_error"] > 0.1
+    status, out, _ = _run(capsys, "-N", "4", "-c", "8", "--construction", "vandermonde", "--size", "80")
+    assert status == 0 and "above the error limit 0.1" in out
+    status, out, _ = _run(capsys, "-N", "4", "-c", "8", "--size", "80")
+    assert status == 0 and "above the error limit" not in out
+
+
 def test_default_components_is_2n(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = _run(capsys, "-N", "3", "--delta", "0.05", "--size", "60", "--json")
     assert status == 0 and _strict_json(out)["components"] == 6

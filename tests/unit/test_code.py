@@ -67,7 +67,7 @@ CODES = [
     lambda: codes.perturbed(4, 8, 1e-2),
     lambda: codes.perturbed(5, 13, 2e-2),
     lambda: codes.perturbed(7, 10, 3e-2, reference="A"),
-    lambda: codes.vandermonde(4, 6, 0.05),
+    lambda: codes.vandermonde(4, 6, 0.05, max_error=None),  # a poor code, built for the maths
     lambda: Code.from_nodes(4, [1.02, 0.97, 1.0, 1.05], [0.1, 0.5, math.pi, 0.0]),
 ]
 
@@ -110,7 +110,7 @@ def test_decoder_inverts_the_weighted_system(reference: str) -> None:
 
 @pytest.mark.parametrize("reference", REFERENCES)
 def test_ranks_0_and_last_decode_exactly(reference: str) -> None:
-    code = codes.perturbed(5, 15, 0.05, reference=reference)
+    code = codes.perturbed(5, 15, 0.05, reference=reference, max_error=None)
     bound = code.error_bound
     assert bound[0] < 1e-12 and bound[-1] < 1e-12
     assert np.all(bound[1:-1] > 1e-3)
@@ -201,6 +201,30 @@ def test_from_json_rejects_malformed() -> None:
     data["world_size"] = 1
     with pytest.raises(ValueError, match=r"'world_size'"):
         Code.from_dict(data)
+
+
+def test_describe_shows_every_field_at_full_precision() -> None:
+    a, b = codes.perturbed(4, 8, 0.1), codes.perturbed(4, 8, 0.1000001)
+    assert repr(a) == repr(b)  # repr stays short (3 significant digits) ...
+    assert a.describe() != b.describe()  # ... describe() tells them apart
+    assert "delta=0.1," in a.describe() and "delta=0.1000001," in b.describe()
+    text = a.describe()
+    assert text.startswith("perturbed(N=4, c=8, delta=0.1, precision='fp32')")
+    assert "decoder=mixed" in text and "spread_seam=False" in text
+    assert f"fingerprint={a.fingerprint[:16]}" in text
+    spread = codes.perturbed(4, 12, spread_seam=True)
+    assert f"delta={spread.params['delta']!r}" in spread.describe()
+    assert "spread_seam=True" in spread.describe()
+    assert "decoder=A" in codes.exact(3).with_reference("A").describe()
+    # Equal codes describe equally; codes differing only in their rows differ in the fingerprint.
+    assert codes.perturbed(4, 8, 0.1).describe() == text
+    rows = np.ones((4, 3))
+    other = rows.copy()
+    other[0, 0] = 1 + 1e-15
+    assert Code(2, rows).describe() != Code(2, other).describe()
+    assert Code(2, rows, params={"w": [0.1, np.float64(0.2)], "n": 3}).describe().startswith(
+        "custom(N=2, c=3, w=[0.1, 0.2], n=3)"
+    )
 
 
 def test_repr() -> None:

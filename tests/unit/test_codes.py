@@ -86,7 +86,8 @@ def test_perturbed_scalings_in_float64(n_ranks: int, c: int) -> None:
     inputs = np.random.default_rng(c).standard_normal((n_ranks, 64 * c))
     errors, conds = [], []
     for delta in deltas:
-        code = codes.perturbed(n_ranks, c, float(delta))
+        # Simulated at fp64: the fp32 error limit does not apply (max_error=None).
+        code = codes.perturbed(n_ranks, c, float(delta), max_error=None)
         result = simulate(code, inputs, "fp64")
         errors.append(result.worst_relative_error)
         conds.append(float(np.max(code.cond)))
@@ -140,7 +141,7 @@ def test_vandermonde_error_to_zero_and_worse_conditioned(n_ranks: int, c: int) -
     epsilons = [5e-2, 2e-2, 1e-2, 5e-3, 3e-3]
     v_errors, v_conds = [], []
     for eps in epsilons:
-        code = codes.vandermonde(n_ranks, c, eps)
+        code = codes.vandermonde(n_ranks, c, eps, max_error=None)  # the sweep's poor codes too
         assert code.construction == "vandermonde" and code.params["eps"] == eps
         v_errors.append(simulate(code, inputs, "fp64").worst_relative_error)
         v_conds.append(float(np.max(code.cond)))
@@ -152,7 +153,7 @@ def test_vandermonde_error_to_zero_and_worse_conditioned(n_ranks: int, c: int) -
     deltas = [5e-1, 3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4]
     p_errors, p_conds = [], []
     for delta in deltas:
-        code = codes.perturbed(n_ranks, c, delta)
+        code = codes.perturbed(n_ranks, c, delta, max_error=None)
         p_errors.append(simulate(code, inputs, "fp64").worst_relative_error)
         p_conds.append(float(np.max(code.cond)))
     # The perturbed code's cond at each Vandermonde error, interpolated on log-log axes.
@@ -165,7 +166,7 @@ def test_vandermonde_error_to_zero_and_worse_conditioned(n_ranks: int, c: int) -
 
 
 def test_vandermonde_nodes_real() -> None:
-    code = codes.vandermonde(4, 5, 0.1)
+    code = codes.vandermonde(4, 5, 0.1, max_error=None)
     nodes = code.nodes
     assert nodes is not None
     np.testing.assert_allclose(nodes.imag, 0)
@@ -173,20 +174,25 @@ def test_vandermonde_nodes_real() -> None:
 
 
 def test_vandermonde_too_small_eps_is_singular() -> None:
-    code = codes.vandermonde(4, 8, 1e-4)
+    code = codes.vandermonde(4, 8, 1e-4, max_error=None)  # built lazily without the limit
     with pytest.raises(SingularCodeError):
         code.decoder(1)
+    with pytest.raises(ValueError, match=r"vandermonde\(N=4, c=8\) at fp32 packets cannot be decoded"):
+        codes.vandermonde(4, 8, 1e-4)  # the limit's check decodes, so it refuses
 
 
 def test_vandermonde_default_eps() -> None:
-    code = codes.vandermonde(4, 6)
+    code = codes.vandermonde(4, 6, max_error=None)  # its best is still above the default limit
     eps = code.params["eps"]
     assert 1e-6 <= eps <= 1.0
     assert (
         code.predicted_worst_error("fp32")
-        <= codes.vandermonde(4, 6, min(1.0, 2 * eps)).predicted_worst_error()
+        <= codes.vandermonde(4, 6, min(1.0, 2 * eps), max_error=None).predicted_worst_error()
     )
-    assert code.predicted_worst_error("fp32") <= codes.vandermonde(4, 6, eps / 2).predicted_worst_error()
+    assert (
+        code.predicted_worst_error("fp32")
+        <= codes.vandermonde(4, 6, eps / 2, max_error=None).predicted_worst_error()
+    )
     # The ill-conditioned limit: at its best it is far worse than the perturbed code.
     assert code.predicted_worst_error() > 3 * codes.perturbed(4, 6).predicted_worst_error()
 
@@ -286,7 +292,9 @@ def test_build_equals_the_construction(name: str, components: int, direct) -> No
 
 def test_build_passes_options_and_reference() -> None:
     assert codes.build("perturbed", 4, 8, delta=0.01, spread_seam=True) == codes.perturbed(4, 8, 0.01, spread_seam=True)
-    assert codes.build("vandermonde", 4, 6, eps=0.05, reference="A") == codes.vandermonde(4, 6, 0.05, reference="A")
+    assert codes.build("vandermonde", 4, 6, eps=0.05, reference="A", max_error=None) == codes.vandermonde(
+        4, 6, 0.05, reference="A", max_error=None
+    )
     assert codes.build("exact", 4, 4, reference="A") == codes.exact(4).with_reference("A")
     optimized = codes.optimized(4, 8, refine=False, cache=False)
     assert codes.build("optimized", 4, 8, reference="A", refine=False, cache=False) == optimized.with_reference("A")
@@ -359,3 +367,109 @@ def test_search_bad_arguments(kwargs: dict, error: type[Exception], name: str) -
 
     with pytest.raises(error, match=f"'{name}'"):
         minimise_log_parameter(lambda value: value, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusing codes that cannot work (issue 12, part 3)
+@pytest.mark.parametrize(
+    ("build", "words"),
+    [
+        (lambda: codes.perturbed(4, 64), ["perturbed(N=4, c=64)", "fp32 packets", "0.459", "limit 0.1"]),
+        (lambda: codes.perturbed(3, 24, precision="fp16"), ["perturbed(N=3, c=24)", "fp16 packets", "(limit 0.1)"]),
+        (lambda: codes.vandermonde(4, 8), ["vandermonde(N=4, c=8)", "fp32 packets", "26.5"]),
+        (lambda: codes.build("perturbed", 4, 64), ["perturbed(N=4, c=64)", "0.459"]),
+        (lambda: codes.perturbed(4, 12, 0.05, max_error=1e-3), ["perturbed(N=4, c=12)", "(limit 0.001)"]),
+    ],
+)
+def test_codes_above_the_error_limit_are_refused(build, words: list[str]) -> None:
+    with pytest.raises(ValueError) as caught:
+        build()
+    message = str(caught.value)
+    for word in [*words, "predicted worst-rank error", "max_error=None"]:
+        assert word in message, (word, message)
+
+
+def test_max_error_none_builds_anyway_and_the_limit_is_the_prediction() -> None:
+    code = codes.perturbed(4, 64, max_error=None)
+    assert code.predicted_worst_error("fp32") > 0.1
+    assert codes.perturbed(4, 64, max_error=0.5) == code  # the same code passes a looser limit
+    assert codes.build("perturbed", 4, 64, max_error=None) == code
+    assert code.check_error("fp32", None) is code and code.check_error(max_error=0.5) is code
+    with pytest.raises(ValueError, match="at fp32 packets"):
+        code.check_error()
+    # The check is at the precision asked for: an fp32-tuned code is noise with bf16 packets.
+    default = codes.perturbed(4, 8)
+    assert default.check_error("fp32") is default
+    with pytest.raises(ValueError, match=r"perturbed\(N=4, c=8\) at bf16 packets"):
+        default.check_error("bf16")
+
+
+def test_the_limit_applies_to_the_decoder_build_returns() -> None:
+    mixed = codes.build("optimized", 4, 8, refine=False, cache=False, max_error=None)
+    tight = 1.01 * mixed.predicted_worst_error("fp32")
+    assert codes.build("optimized", 4, 8, refine=False, cache=False, max_error=tight) == mixed
+    with_a = mixed.with_reference("A")
+    if with_a.predicted_worst_error("fp32") > tight:
+        with pytest.raises(ValueError, match="optimized"):
+            codes.build("optimized", 4, 8, reference="A", refine=False, cache=False, max_error=tight)
+    assert codes.build("exact", 4, 4, max_error=1e-3) == codes.exact(4)
+    with pytest.raises(ValueError, match=r"exact\(N=4, c=4\) at bf16 packets"):
+        codes.build("exact", 4, 4, "bf16", max_error=1e-6)
+
+
+@pytest.mark.parametrize("n_ranks", range(2, 9))
+def test_default_codes_pass_the_default_limit(n_ranks: int) -> None:
+    for precision in ("fp32", "fp16", "bf16", "fp64"):
+        code = codes.perturbed(n_ranks, 2 * n_ranks, precision=precision)
+        assert code.predicted_worst_error(precision) <= 0.1
+    assert codes.exact(n_ranks).check_error("bf16") is not None
+    assert codes.perturbed(n_ranks, 3 * n_ranks).predicted_worst_error("fp32") <= 0.1
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "words"),
+    [
+        (lambda: codes.perturbed(4, 8, max_error=0.0), ValueError, ["'max_error'", "0.0"]),
+        (lambda: codes.perturbed(4, 8, max_error=-1), ValueError, ["'max_error'", "-1"]),
+        (lambda: codes.perturbed(4, 8, max_error=math.nan), ValueError, ["'max_error'", "nan"]),
+        (lambda: codes.vandermonde(4, 5, max_error="0.1"), TypeError, ["'max_error'", "'0.1'"]),
+        (lambda: codes.optimized(4, 8, max_error=True), TypeError, ["'max_error'", "True"]),
+        (lambda: codes.build("exact", 4, 4, max_error=0), ValueError, ["'max_error'"]),
+        (lambda: codes.exact(4).check_error("fp8"), ValueError, ["'precision'", "'fp8'"]),
+    ],
+)
+def test_max_error_bad_values(build, error: type[Exception], words: list[str]) -> None:
+    with pytest.raises(error) as caught:
+        build()
+    for word in words:
+        assert word in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("build", "limit", "value"),
+    [
+        (lambda: codes.perturbed(4, 512), 256, 512),
+        (lambda: codes.perturbed(4, 512, max_error=None), 256, 512),  # the cost limit is not the error's
+        (lambda: codes.perturbed(4, 257, 1e-3), 256, 257),
+        (lambda: codes.vandermonde(8, 300, max_error=None), 256, 300),
+        (lambda: codes.build("perturbed", 16, 1024), 256, 1024),
+        (lambda: codes.optimized(4, 65, cache=False, max_error=None), 64, 65),
+        (lambda: codes.build("optimized", 4, 128, refine=False), 64, 128),
+    ],
+)
+def test_large_c_is_refused_up_front(build, limit: int, value: int) -> None:
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(ValueError) as caught:
+        build()
+    assert time.perf_counter() - started < 1.0  # before any expensive work
+    message = str(caught.value)
+    assert "Argument 'components' must be at most" in message and f"{limit}" in message
+    assert f"not {value}" in message
+
+
+def test_the_component_limits_leave_exact_and_documented_codes_alone() -> None:
+    assert codes.MAX_COMPONENTS == 256 and codes.OPTIMIZED_MAX_COMPONENTS == 64
+    assert codes.perturbed(64, 256, 1e-2, max_error=None).components == 256  # at the limit: builds
+    assert codes.perturbed(5, 3).is_exact  # c <= N: no tuning, no limit

@@ -91,6 +91,22 @@ def test_optimized_honours_kappa() -> None:
         codes.optimized(4, 8, kappa=1.0001)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_optimized_c64_builds_or_is_refused_by_name(n: int) -> None:
+    """Issue 12: optimized(N, 64) for N = 3, 4 used to fail inside scipy's bounded Powell ("zero-size
+    array to reduction operation maximum"); the family scales are now tuned by golden section."""
+    code = codes.optimized(n, 64, refine=False, cache=False, max_error=None)
+    assert code.components == 64 and code.spread_seam
+    assert 0.1 < code.predicted_worst_error("fp32") < 0.3  # useless at fp32, so ...
+    with pytest.raises(ValueError, match=rf"optimized\(N={n}, c=64\) at fp32 packets has a predicted"):
+        codes.optimized(n, 64, refine=False, cache=False)  # ... refused by default
+
+
+def test_optimized_refined_c64_runs() -> None:
+    code = codes.optimized(3, 64, cache=False, max_error=None)
+    assert code.params["refine"] is True and code.predicted_worst_error("fp32") < 0.2
+
+
 def test_optimized_exact_when_c_at_most_n() -> None:
     code = codes.optimized(4, 4)
     assert code.is_exact and code.params["start"] == "exact"

@@ -1,5 +1,6 @@
 """``cerar design``: inspect one code: rates, per-rank cond and error bound, predicted and
-simulated worst-rank error."""
+simulated worst-rank error. It shows codes the library's error limit refuses too (built with
+``max_error=None``), flagged as such: inspecting them is how one sees why."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from cerar.coding import codes
-from cerar.coding.code import Code
+from cerar.coding.code import MAX_ERROR, Code
 from cerar.coding.precision import precision_name
 from cerar.protocol.simulate import simulate
 
@@ -39,7 +40,9 @@ def build_code(args: argparse.Namespace) -> Code:
     components = args.components if args.components is not None else default
     # --delta and --eps tune one construction each: given to another, build() names the mistake.
     tuning = {name: value for name, value in (("delta", args.delta), ("eps", args.eps)) if value is not None}
-    return codes.build(args.construction, n_ranks, components, args.precision, reference=args.reference, **tuning)
+    return codes.build(
+        args.construction, n_ranks, components, args.precision, reference=args.reference, max_error=None, **tuning
+    )
 
 
 def describe(code: Code, precision: str, size: int, seed: int) -> dict[str, Any]:
@@ -68,6 +71,8 @@ def describe(code: Code, precision: str, size: int, seed: int) -> dict[str, Any]
         "error_bound": code.error_bound.tolist(),
         "predicted_error": predicted.tolist(),
         "predicted_worst_error": float(np.max(predicted)),
+        # The constructions refuse such a code unless called with max_error=None.
+        "above_error_limit": not float(np.max(predicted)) <= MAX_ERROR,
         "simulated_error": result.relative_errors.tolist(),
         "simulated_worst_error": result.worst_relative_error,
         "simulation": {
@@ -92,6 +97,11 @@ def format_table(info: dict[str, Any]) -> str:
         f"  worst-rank error at {info['precision']}: predicted {info['predicted_worst_error']:.3g}, "
         f"simulated {info['simulated_worst_error']:.3g} "
         f"(d = {info['simulation']['size']}, i.i.d. normal, seed {info['simulation']['seed']})",
+        *(
+            [f"  above the error limit {MAX_ERROR:g}: the constructions refuse this code unless max_error=None"]
+            if info.get("above_error_limit")
+            else []
+        ),
         "",
         f"  {'rank':>4}  {'cond':>10}  {'error bound':>11}  {'predicted':>10}  {'simulated':>10}",
     ]

@@ -20,7 +20,11 @@ local gradient at ``--capture-steps`` (default start, middle, end), and writes
   skips training);
 * ``gradients.json`` / ``gradients.png``: each method's bytes per element and worst/mean-rank
   error on the gradients of every point and on i.i.d. data of the same size (CERAR ``c = 2N, 3N``
-  with each construction, the float32/float16/bfloat16 rings), and how shared the gradients are.
+  with each construction, the float32/float16/bfloat16 rings), and how shared the gradients are;
+  beside each bucket figure, the worst error relative to each parameter's own sum (and the
+  absolute error where a parameter's or a value's true sum is zero). The parameter layout comes
+  from the capture; a capture saved before it stored one gets it rebuilt from its model config
+  when transformers is installed, else the per-parameter figures are left out.
 
 With ``--quick`` it trains a tiny model for 10 steps: a smoke test.
 """
@@ -101,6 +105,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parameter_layout(capture: Any) -> tuple[Any, str]:
+    """The capture's parameter layout and where it came from: the file, else the model rebuilt
+    from the capture's config (older files), else None with the reason."""
+    import importlib.util
+
+    from cerar.experiments.study import capture as gradient_capture
+
+    if capture.parameters is not None:
+        return capture.parameters, "capture"
+    if importlib.util.find_spec("transformers") is None:
+        return None, "the capture has no parameter layout and transformers is not installed to rebuild it"
+    layout = gradient_capture.model_parameters(capture.config.model, capture.config.seed)
+    if sum(size for _, size in layout) != capture.size:
+        return None, "the capture has no parameter layout and its model config does not rebuild one of its size"
+    return layout, "model config (rebuilt)"
+
+
 def _run_gradients(args: argparse.Namespace) -> int:
     """``--gradients``: capture (or load) real gradients, measure every method, write JSON + PNG."""
     from cerar.experiments.study import capture as gradient_capture
@@ -136,17 +157,24 @@ def _run_gradients(args: argparse.Namespace) -> int:
         source = str(path)
     out.mkdir(parents=True, exist_ok=True)
     datasets = {f"step {s}": capture.gradients[p] for p, s in enumerate(capture.steps)}
+    parameters, layout_source = _parameter_layout(capture)
     info = {
         "capture": source,
         "steps": list(capture.steps),
         "train_config": capture.config.to_dict(),
         "local_losses": capture.losses.tolist(),
+        "parameters_from": layout_source,
     }
-    result = gradient_study.gradient_study(datasets, seed=args.seed, info=info)
+    result = gradient_study.gradient_study(datasets, seed=args.seed, info=info, parameters=parameters)
     _write(out / "gradients.json", result)
     gradient_study.plot_gradient_study(result, out / "gradients.png")
     print(f"N = {capture.world_size}, d = {capture.size:,}; worst-rank relative error:")
     print(gradient_study.method_table(result, "worst"))
+    if parameters is not None:
+        print(f"per parameter ({len(parameters)} parameters, layout from the {layout_source}):")
+        print(gradient_study.parameter_table(result))
+    else:
+        print(f"no per-parameter figures: {layout_source}")
     elapsed = time.perf_counter() - started
     print(f"wrote {out}/gradients.{{png,json}} in {elapsed:.0f} s")
     return 0

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cerar._checks import check_bool, check_choice, check_int
+from cerar._checks import check_bool, check_choice, check_float, check_int
 from cerar.coding import seam
 from cerar.coding.code_json import CodeJson
 from cerar.coding.decoders import (
@@ -36,7 +36,18 @@ from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 
 REFERENCES: tuple[str, ...] = ("mixed", "A")
 
-__all__ = ["REFERENCES", "Code", "SingularCodeError"]
+#: The default limit on a code's predicted worst-rank relative error at its packet precision
+#: (:meth:`Code.check_error`): the tuned constructions refuse to build a code above it. At 0.1 the
+#: "sum" already carries a tenth of its own size in noise; the defaults (``choose``, ``perturbed(N,
+#: 2N)`` at fp32, fp16 or bf16 for N = 2..8) sit at 1e-4 to 0.09.
+MAX_ERROR = 0.1
+
+__all__ = ["MAX_ERROR", "REFERENCES", "Code", "SingularCodeError", "check_max_error"]
+
+
+def check_max_error(max_error: Any) -> float | None:
+    """``max_error`` checked: a positive finite number, or None (no limit)."""
+    return check_float("max_error", max_error, positive=True, optional=True)
 
 
 class Code(CodeJson):
@@ -322,6 +333,36 @@ class Code(CodeJson):
         """The largest of :meth:`predicted_error` over ranks."""
         return float(np.max(self.predicted_error(precision)))
 
+    def check_error(self, precision: Any = None, max_error: float | None = MAX_ERROR) -> Code:
+        """Return ``self`` if its predicted worst-rank error at ``precision`` is at most ``max_error``.
+
+        Raises ValueError naming the construction, ``N``, ``c``, the precision and the predicted
+        error otherwise, and also when the code cannot be decoded at all (singular in float64).
+        ``precision`` defaults to the one the code was built for (``params["precision"]``, else
+        ``"fp32"``); ``max_error=None`` skips the check (nothing is computed).
+        """
+        max_error = check_max_error(max_error)
+        if precision is None:
+            precision = self.params.get("precision", "fp32")
+        name = precision_name(precision)
+        if max_error is None:
+            return self
+        what = f"cerar: {self.construction}(N={self.world_size}, c={self.components}) at {name} packets"
+        advice = (
+            f"use fewer components (c nearer N = {self.world_size}), wider packets or another construction, "
+            "or pass max_error=None to build it anyway"
+        )
+        try:
+            error = self.predicted_worst_error(name)
+        except SingularCodeError as exc:
+            raise ValueError(f"{what} cannot be decoded ({exc}); {advice}.") from None
+        if not error <= max_error:  # also catches NaN
+            raise ValueError(
+                f"{what} has a predicted worst-rank error of {error:.3g} (limit {max_error:g}): it would "
+                f"return noise rather than the sum; {advice}."
+            )
+        return self
+
     def _check_rank(self, rank: int) -> int:
         rank = check_int("rank", rank, minimum=0)
         if rank >= self.world_size:
@@ -385,6 +426,17 @@ class Code(CodeJson):
             _nodes=self._nodes,
         )
 
+    def describe(self) -> str:
+        """Every identifying field at full precision, on one line, for messages that compare codes
+        across ranks: construction, ``N``, ``c``, every parameter (floats as ``repr``, the shortest
+        text that round-trips, so 0.1 and 0.1000001 differ), the decoder, ``spread_seam`` and the
+        first 16 hex digits of :attr:`fingerprint` (which also covers the nodes or rows)."""
+        params = "".join(f", {k}={_full(v)}" for k, v in self.params.items())
+        return (
+            f"{self.construction}(N={self.world_size}, c={self.components}{params}) "
+            f"decoder={self.reference} spread_seam={self.spread_seam} fingerprint={self.fingerprint[:16]}"
+        )
+
     def __repr__(self) -> str:
         params = ", ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v!r}" for k, v in self.params.items()
@@ -395,3 +447,19 @@ class Code(CodeJson):
             f"L={self.rounds}, comm_rate={self.comm_rate:.3f} vs ring {self.ring_comm_rate:.3f}, "
             f"decoder={self.reference}{', seam spread' if self.spread_seam else ''}>"
         )
+
+
+def _full(value: Any) -> str:
+    """``repr`` of a parameter with every float (also inside lists, tuples, dicts) as a Python float."""
+    if isinstance(value, (bool, np.bool_)):
+        return repr(bool(value))
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))
+    if isinstance(value, (int, np.integer)):
+        return repr(int(value))
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_full(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_full(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    return repr(value)

@@ -14,12 +14,15 @@ from collections.abc import Callable
 from typing import Any
 
 from cerar._checks import check_choice
-from cerar.coding.code import Code
-from cerar.coding.constructions import check_design, cluster_sizes, exact, perturbed, vandermonde
-from cerar.coding.optimize import choose, optimized
+from cerar.coding.code import MAX_ERROR, Code, check_max_error
+from cerar.coding.constructions import MAX_COMPONENTS, check_design, cluster_sizes, exact, perturbed, vandermonde
+from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS, choose, optimized
 
 __all__ = [
     "CONSTRUCTIONS",
+    "MAX_COMPONENTS",
+    "MAX_ERROR",
+    "OPTIMIZED_MAX_COMPONENTS",
     "build",
     "choose",
     "cluster_sizes",
@@ -38,30 +41,42 @@ def _perturbed(
     delta: float | None = None,
     reference: str = "mixed",
     spread_seam: bool = False,
+    max_error: float | None = MAX_ERROR,
 ) -> Code:
-    return perturbed(world_size, components, delta, precision, reference=reference, spread_seam=spread_seam)
+    return perturbed(
+        world_size, components, delta, precision, reference=reference, spread_seam=spread_seam, max_error=max_error
+    )
 
 
 def _vandermonde(
-    world_size: int, components: int, precision: Any = "fp32", *, eps: float | None = None, reference: str = "mixed"
+    world_size: int,
+    components: int,
+    precision: Any = "fp32",
+    *,
+    eps: float | None = None,
+    reference: str = "mixed",
+    max_error: float | None = MAX_ERROR,
 ) -> Code:
-    return vandermonde(world_size, components, eps, precision, reference=reference)
+    return vandermonde(world_size, components, eps, precision, reference=reference, max_error=max_error)
 
 
-def _exact(world_size: int, components: int, precision: Any = "fp32") -> Code:
+def _exact(world_size: int, components: int, precision: Any = "fp32", *, max_error: float | None = MAX_ERROR) -> Code:
     # exact has nothing to tune, but a bad precision is still an error.
-    world_size, components, _ = check_design(world_size, components, precision)
+    world_size, components, precision = check_design(world_size, components, precision)
+    max_error = check_max_error(max_error)
     if components != world_size:
         raise ValueError(
             f"Argument 'components' must equal world_size ({world_size}) for construction 'exact', not {components}."
         )
-    return exact(world_size)
+    return exact(world_size).check_error(precision, max_error)
 
 
 #: Every construction by name, called as ``CONSTRUCTIONS[name](world_size, components, precision,
 #: **options)``, its tuning left to the library unless an option sets it. Options: ``delta``,
 #: ``spread_seam`` and ``reference`` (perturbed), ``eps`` and ``reference`` (vandermonde),
-#: ``kappa``, ``refine`` and ``cache`` (optimized); :func:`build` adds ``reference`` to all.
+#: ``kappa``, ``refine`` and ``cache`` (optimized); :func:`build` adds ``reference`` to all, and every
+#: one takes ``max_error`` (default :data:`MAX_ERROR`, 0.1: a code whose predicted worst-rank error at
+#: ``precision`` exceeds it is refused with a ValueError; None builds it anyway).
 #: ``exact`` needs ``components == world_size``. Listed in the order commands show them: tuned
 #: constructions first, the exact code last.
 CONSTRUCTIONS: dict[str, Callable[..., Code]] = {
@@ -91,5 +106,10 @@ def build(name: str, world_size: int, components: int, precision: Any = "fp32", 
     if "reference" in takes:
         return builder(world_size, components, precision, **options)
     reference = options.pop("reference", "mixed")
-    code = builder(world_size, components, precision, **options)
-    return code if reference == code.reference else code.with_reference(reference)
+    if reference == "mixed":
+        return builder(world_size, components, precision, **options)
+    # The limit applies to the code returned, i.e. with the decoder asked for.
+    max_error = check_max_error(options.pop("max_error", MAX_ERROR))
+    code = builder(world_size, components, precision, max_error=None, **options)
+    code = code if reference == code.reference else code.with_reference(reference)
+    return code.check_error(precision, max_error)

@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 
 from cerar._checks import check_bool, check_float, check_int
-from cerar.coding.code import Code, SingularCodeError
+from cerar.coding.code import MAX_ERROR, Code, SingularCodeError, check_max_error
 from cerar.coding.precision import precision_name
 from cerar.coding.search import minimise_log_parameter
 
 __all__ = [
+    "MAX_COMPONENTS",
+    "check_components_limit",
     "check_design",
     "cluster_sizes",
     "exact",
@@ -31,6 +33,25 @@ __all__ = [
     "search_ranks",
     "vandermonde",
 ]
+
+
+#: The largest ``c`` that :func:`perturbed` and :func:`vandermonde` build when ``c > N``, checked
+#: before any work. A build costs an O(c^3) inverse per candidate of the ~40 the tuning tries:
+#: measured for ``perturbed(4, c)`` on one free core, 0.07 s at c = 64, 0.2 s at 128, 0.6 s at 256,
+#: 4.2 s at 512 (46-50 s per rank when four ranks share two cores). And codes that large are noise:
+#: the predicted fp32 error of ``perturbed(4, c)`` is 0.46 at c = 64 and 1.1 at c = 256; no code
+#: with ``c >= 16 N`` meets :data:`cerar.coding.code.MAX_ERROR` even at fp64.
+MAX_COMPONENTS = 256
+
+
+def check_components_limit(construction: str, world_size: int, components: int, limit: int) -> None:
+    """Refuse ``components > limit`` (when also ``> world_size``) for ``construction``, up front."""
+    if components > limit and components > world_size:
+        raise ValueError(
+            f"Argument 'components' must be at most {limit} for construction {construction!r} when "
+            f"c > N = {world_size}, not {components}: beyond it a build takes tens of seconds and the "
+            "code's error swamps the sum."
+        )
 
 
 def check_design(world_size: Any, components: Any, precision: Any) -> tuple[int, int, str]:
@@ -143,6 +164,7 @@ def perturbed(
     *,
     reference: str = "mixed",
     spread_seam: bool = False,
+    max_error: float | None = MAX_ERROR,
 ) -> Code:
     """Symmetric clusters of nodes around the N-th roots of unity (multiplicative perturbation).
 
@@ -151,7 +173,8 @@ def perturbed(
 
     Args:
         world_size: ``N`` (at least 2).
-        components: ``c`` (at least 1). ``c <= N`` gives an exact code.
+        components: ``c`` (at least 1, at most :data:`MAX_COMPONENTS` unless ``c <= N``).
+            ``c <= N`` gives an exact code.
         delta: angular spacing inside a cluster, ``0 <= delta < 2 pi / (N ceil(c/N))``. ``None``
             picks the delta that minimises :meth:`Code.predicted_worst_error` at ``precision``.
         precision: packet precision the automatic delta is tuned for (``"fp32"``, ``"fp64"``...).
@@ -160,9 +183,13 @@ def perturbed(
             mixed decoder). The wrap error is then shared by all ``N`` links, about ``sqrt(3)``
             smaller at equal ``delta``; the automatic delta is tuned for the spread code, and
             ``params`` records ``spread_seam: True``.
+        max_error: refuse (ValueError) a code whose predicted worst-rank error at ``precision``
+            exceeds this (:meth:`Code.check_error`); None builds it anyway.
     """
     world_size, components, precision = check_design(world_size, components, precision)
     check_bool("spread_seam", spread_seam)
+    max_error = check_max_error(max_error)
+    check_components_limit("perturbed", world_size, components, MAX_COMPONENTS)
     clustered = components > world_size
     if delta is None:
         delta = _tuned_delta(world_size, components, precision, reference, spread_seam) if clustered else 0.0
@@ -173,7 +200,7 @@ def perturbed(
     if spread_seam:
         # Only when set, so that plain codes keep the descriptions (and fingerprints) they had.
         params["spread_seam"] = True
-    return Code.from_nodes(
+    code = Code.from_nodes(
         world_size,
         radii,
         angles,
@@ -182,6 +209,7 @@ def perturbed(
         reference=reference,
         spread_seam=spread_seam,
     )
+    return code.check_error(precision, max_error)
 
 
 def _tuned_delta(world_size: int, components: int, precision: str, reference: str, spread_seam: bool) -> float:
@@ -224,19 +252,25 @@ def vandermonde(
     precision: Any = "fp32",
     *,
     reference: str = "mixed",
+    max_error: float | None = MAX_ERROR,
 ) -> Code:
     """``c`` real nodes ``(1 + eps)^l``, ``l = 0..c-1``: error ``O(eps)``, cond ``O(eps^-(c-1))``.
 
     Args:
         world_size: ``N`` (at least 2).
-        components: ``c`` (at least 1).
+        components: ``c`` (at least 1, at most :data:`MAX_COMPONENTS` unless ``c <= N``).
         eps: node spacing, ``0 < eps <= 1``. ``None`` picks the eps that minimises the predicted
             worst-rank error at ``precision`` (usually a poor code: this is the ill-conditioned
             limit the paper warns about).
         precision: packet precision the automatic eps is tuned for.
         reference: decoder, ``"mixed"`` (default) or ``"A"``.
+        max_error: refuse (ValueError) a code whose predicted worst-rank error at ``precision``
+            exceeds this (:meth:`Code.check_error`); None builds it anyway. Vandermonde codes
+            beyond ``c = N + 1`` rarely pass at fp32.
     """
     world_size, components, precision = check_design(world_size, components, precision)
+    max_error = check_max_error(max_error)
+    check_components_limit("vandermonde", world_size, components, MAX_COMPONENTS)
 
     def build(value: float) -> Code:
         radii = (1.0 + value) ** np.arange(components)
@@ -251,7 +285,7 @@ def vandermonde(
 
     if eps is None:
         eps = _best_parameter(build, 1e-6, 1.0, world_size, precision)
-    return build(check_float("eps", eps, positive=True, maximum=1.0))
+    return build(check_float("eps", eps, positive=True, maximum=1.0)).check_error(precision, max_error)
 
 
 def search_ranks(world_size: int) -> list[int]:

@@ -36,8 +36,10 @@ from scipy.optimize import minimize
 
 from cerar._checks import check_float, check_int
 from cerar._version import __version__
-from cerar.coding.code import Code
+from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.constructions import (
+    MAX_COMPONENTS,
+    check_components_limit,
     check_design,
     exact,
     max_delta,
@@ -51,7 +53,7 @@ from cerar.coding.design_cache import cached_code
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 from cerar.coding.search import minimise_log_parameter
 
-__all__ = ["ALGORITHM", "choose", "default_kappa", "optimized"]
+__all__ = ["ALGORITHM", "OPTIMIZED_MAX_COMPONENTS", "choose", "default_kappa", "optimized"]
 
 #: Bumped whenever the search changes, so that cached designs of older searches are recomputed.
 ALGORITHM = "nodes-4-golden"  # 4: the family scales tuned by golden section, not Powell
@@ -60,6 +62,12 @@ _CONSTRAINT_WEIGHT = 20.0  # log-error units per e-fold of cond above kappa: a n
 #: and a search converging onto it lands on either side by its tolerance (about 1e-3 in log scale,
 #: times r in log cond); starting the wall 1% inside keeps the result within kappa.
 _WALL = 0.99
+#: The largest ``c`` :func:`optimized` searches when ``c > N``, checked before any work. The search
+#: scores a few hundred codes, each with an SVD per rank, then refines ~1.5 c parameters with up to
+#: 1000 more: measured on one core, ``N = 4``: c = 64 takes 3.4 s (0.3 s unrefined), c = 128 68 s
+#: (1.2 s unrefined), c = 256 27 s unrefined; ``N = 16, c = 64``: 6.8 s. Every such design at
+#: ``N <= 4`` is above :data:`cerar.coding.code.MAX_ERROR` at fp32 anyway (N = 4, c = 128: 0.28).
+OPTIMIZED_MAX_COMPONENTS = 64
 
 
 def default_kappa(precision: Any = "fp32") -> float:
@@ -226,6 +234,7 @@ def optimized(
     *,
     refine: bool = True,
     cache: bool = True,
+    max_error: float | None = MAX_ERROR,
 ) -> Code:
     """The node set with the smallest modelled worst-rank error subject to ``cond <= kappa``.
 
@@ -236,7 +245,8 @@ def optimized(
 
     Args:
         world_size: ``N`` (at least 2).
-        components: ``c`` (at least 1). ``c <= N`` returns the exact code (nothing to optimise).
+        components: ``c`` (at least 1, at most :data:`OPTIMIZED_MAX_COMPONENTS` unless ``c <= N``).
+            ``c <= N`` returns the exact code (nothing to optimise).
         precision: packet precision the design is for (``"fp32"`` default, ``"fp64"``, ...).
         kappa: cap on every rank's ``cond(W_j)``; None uses :func:`default_kappa`. ValueError if no
             design found meets it.
@@ -244,6 +254,9 @@ def optimized(
             families (a few seconds at ``N = 16``) and loses 1-2% of modelled error.
         cache: read and write the on-disk cache (keyed by every argument, the library version and
             :data:`ALGORITHM`).
+        max_error: refuse (ValueError) a design whose predicted worst-rank error at
+            ``precision`` exceeds this (:meth:`Code.check_error`, after the search or the cache;
+            the cache keeps the design either way); None returns it anyway.
 
     Returns:
         A :class:`cerar.Code` with ``construction="optimized"``, the mixed decoder and, for the
@@ -257,6 +270,8 @@ def optimized(
     kappa = default_kappa(precision) if kappa is None else check_float("kappa", kappa, positive=True)
     if kappa < 1.0:
         raise ValueError(f"Argument 'kappa' must be at least 1 (a condition number), not {kappa}.")
+    max_error = check_max_error(max_error)
+    check_components_limit("optimized", world_size, components, OPTIMIZED_MAX_COMPONENTS)
     design = functools.partial(_design, world_size, components, precision, kappa, bool(refine))
     if cache:
         key = _cache_key(N=world_size, c=components, precision=precision, kappa=kappa, refine=bool(refine))
@@ -273,7 +288,7 @@ def optimized(
         construction="optimized",
         params=params,
         spread_seam=code.spread_seam,
-    )
+    ).check_error(precision, max_error)
 
 
 def _cache_key(**inputs: Any) -> dict[str, Any]:
@@ -287,7 +302,7 @@ def _design(
     """What :func:`optimized` computes (and caches): the design and its figures."""
     if components > world_size:
         return _search(world_size, components, precision, kappa, refine)
-    code = perturbed(world_size, components, 0.0)  # exact: nothing to optimise
+    code = perturbed(world_size, components, 0.0, max_error=None)  # exact: nothing to optimise
     return code, {
         "start": "exact",
         "spread_seam": False,
@@ -311,12 +326,13 @@ def _still_valid(
 
 # --------------------------------------------------------------------------------------------
 # choose
-MAX_COMPONENTS_PER_RANK = 8  # choose never looks beyond c = 8N
-_OPTIMIZE_LIMIT = 64  # above this c, choose keeps the spread perturbed design (see choose)
+MAX_COMPONENTS_PER_RANK = 8  # choose never looks beyond c = 8N (nor beyond MAX_COMPONENTS)
+_OPTIMIZE_LIMIT = OPTIMIZED_MAX_COMPONENTS  # above this c, choose keeps the spread perturbed design
 
 
 def _spread(world_size: int, components: int, precision: str) -> Code:
-    return perturbed(world_size, components, None, precision, spread_seam=True)
+    # A probe of the search: judged against the error budget, not refused by the default limit.
+    return perturbed(world_size, components, None, precision, spread_seam=True, max_error=None)
 
 
 def choose(
@@ -335,10 +351,13 @@ def choose(
     ``use_optimized`` the winner's neighbour ``c+1`` and then the winner itself are tried as
     :func:`optimized` designs without the per-node refinement (``refine=False``: a few seconds
     at ``N = 16``, 1-2% short of the refined design), and the first that meets the budget is
-    returned; else the spread perturbed design. Above ``c = 64`` the perturbed design is kept.
+    returned; else the spread perturbed design. Above ``c = 64`` the perturbed design is kept, and
+    ``c`` stays within :data:`cerar.coding.constructions.MAX_COMPONENTS` (256; it binds for
+    ``N > 32`` only, far above any ``c`` that meets a useful budget there).
 
     Cheap on repeat: the chosen design is cached on disk (milliseconds to load). The first call
-    for an ``N`` takes a few seconds (``N = 4``) to about ten (``N = 16``).
+    for an ``N`` takes a few seconds (``N = 4``) to about ten (``N = 16``). ``error_budget`` is the
+    limit here: the constructions' default ``max_error`` does not apply to the candidates it tries.
     """
     world_size = check_int("world_size", world_size, minimum=2)
     precision = precision_name(precision)
@@ -364,7 +383,7 @@ def _choose(world_size: int, precision: str, error_budget: float, use_optimized:
     def meets(code: Code) -> bool:
         return code.predicted_worst_error(precision) <= error_budget
 
-    low, high = world_size, MAX_COMPONENTS_PER_RANK * world_size
+    low, high = world_size, max(world_size, min(MAX_COMPONENTS_PER_RANK * world_size, MAX_COMPONENTS))
     if meets(_spread(world_size, high, precision)):
         low = high
     while high - low > 1:  # invariant: low meets the budget, high does not
@@ -374,14 +393,14 @@ def _choose(world_size: int, precision: str, error_budget: float, use_optimized:
         else:
             high = middle
     if low == world_size:
-        exact = perturbed(world_size, low, 0.0, precision)
-        return optimized(world_size, low, precision) if use_optimized else exact
+        exact = perturbed(world_size, low, 0.0, precision, max_error=None)
+        return optimized(world_size, low, precision, max_error=None) if use_optimized else exact
     best = _spread(world_size, low, precision)
     if use_optimized:
         for candidate in (low + 1, low):
             if candidate > min(MAX_COMPONENTS_PER_RANK * world_size, _OPTIMIZE_LIMIT):
                 continue
-            code = optimized(world_size, candidate, precision, refine=False)
+            code = optimized(world_size, candidate, precision, refine=False, max_error=None)
             if meets(code):
                 return code
     return best

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from cerar._checks import check_choice, check_float
 from cerar.coding import codes
-from cerar.coding.code import Code
+from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import float16_scale, precision_name
 from cerar.coding.scaling import packet_range
 from cerar.comm.algorithms import cerar_packet_gain, run_cerar, run_ring
@@ -86,6 +86,7 @@ def all_reduce(
     code: Code | None = None,
     nonfinite: str = "raise",
     packet_dtype: torch.dtype | None = None,
+    max_error: float | None = MAX_ERROR,
     stats: CommStats | None = None,
 ) -> CerarWork | None:
     """Sum (or average) ``tensor`` over ``group`` with CERAR, in place.
@@ -113,6 +114,10 @@ def all_reduce(
             the README), the packets computed in the tensor's precision and rounded once, decoded
             in float64. The default code is then tuned for that precision (pass one built with
             ``precision="fp16"`` etc. to choose it yourself).
+        max_error: a ``code`` whose predicted worst-rank error at the packet precision exceeds
+            this (default 0.1) is refused with a ValueError naming ``N``, ``c`` and the error (a
+            code tuned for float32 would return noise with bfloat16 packets, say); ``None``
+            uses it anyway.
         stats: a :class:`cerar.comm.stats.CommStats` that this call's figures are added to.
 
     Packets are scaled by an exact power of two so that they can neither overflow nor fall into
@@ -137,6 +142,9 @@ def all_reduce(
         return None
     if code is not None and code.world_size != ring.size:
         raise ValueError(f"Argument 'code' is for world_size={code.world_size} but the group has {ring.size} ranks.")
+    if code is not None:
+        precision = precision_name(packet_dtype or (torch.float64 if tensor.dtype == torch.float64 else torch.float32))
+        _check_usable(code, precision, check_max_error(max_error))
     # detach(): the same storage, so the result lands in ``tensor``, without autograd, which
     # refuses in-place writes to a leaf that requires grad (dist.all_reduce also bypasses it).
     job = functools.partial(_cerar_call, tensor.detach(), reduce_op, ring, code, nonfinite, stats, packet_dtype)
@@ -287,7 +295,7 @@ def _cerar_call(
         code = code if code is not None else default_code(ring.size, precision)
         identity = ("cerar", code.fingerprint, str(flat.dtype), str(packet), flat.numel(), op, nonfinite)
         summary = (
-            f"{_describe(code)}, values {flat.dtype}, packets {packet}, size {flat.numel()}, op {op}, "
+            f"{code.describe()}, values {flat.dtype}, packets {packet}, size {flat.numel()}, op {op}, "
             f"nonfinite={nonfinite!r}"
         )
         # The packet scale: the one this size's previous call ended with (1 at first), agreed in
@@ -299,6 +307,7 @@ def _cerar_call(
         # A narrow format (float16) without a scale to go by pays one pass here, so that its
         # first call does not have to be redone; a wide one starts from 1.
         first_pass = remembered is None and window.target is not None
+        began = time.perf_counter()
         agreed = handshake(
             ring,
             settings_hash(identity),
@@ -308,6 +317,7 @@ def _cerar_call(
             scale_exponent=remembered or 0,
             device=flat.device,
         )
+        call.handshake_s += time.perf_counter() - began
         if agreed.max_abs > 0.0:  # some rank measured (the same decision everywhere)
             scale = window.scale_for(bound * agreed.max_abs)
         else:
@@ -361,7 +371,9 @@ def _ring_call(
         # float16 needs every rank's largest magnitude before its first round: one pass here
         # (aminmax), carried by the handshake; NaN/Inf make it infinite and the scaling is skipped.
         largest = max_abs(flat) if needs_scale else 0.0
+        began = time.perf_counter()
         agreed = handshake(ring, settings_hash(identity), counter, summary, max_abs=largest, device=flat.device)
+        call.handshake_s += time.perf_counter() - began
         agreed_max = agreed.max_abs
         scale = float16_scale(ring.size, agreed_max) if needs_scale and math.isfinite(agreed_max) else 1.0
         run_ring(flat, ring, call, wire_dtype=wire_dtype, scale=scale)
@@ -369,9 +381,10 @@ def _ring_call(
             flat.div_(ring.size)
 
 
-def _describe(code: Code) -> str:
-    describe = getattr(code, "describe", None)
-    return describe() if describe is not None else repr(code)
+@functools.lru_cache(maxsize=256)
+def _check_usable(code: Code, precision: str, max_error: float | None) -> None:
+    """``code.check_error`` once per (code, precision, limit): the prediction costs milliseconds."""
+    code.check_error(precision, max_error)
 
 
 class _Working:

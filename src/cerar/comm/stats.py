@@ -20,6 +20,7 @@ class CommStats:
         bytes_sent, bytes_received: bytes handed to / received from point-to-point ops.
         encode_s: time spent computing injections (the packets' increments).
         decode_s: time spent decoding observations into the result.
+        handshake_s: time in the call's handshake (settings, call number, scale), before any data.
         wall_s: wall-clock time inside the calls.
         peak_extra_bytes: most memory the call allocated beyond the caller's tensor (max, not sum).
         fallbacks: calls that fell back to the exact ring (non-finite input, ``nonfinite="exact"``).
@@ -34,6 +35,7 @@ class CommStats:
     bytes_received: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
+    handshake_s: float = 0.0
     wall_s: float = 0.0
     peak_extra_bytes: int = 0
     fallbacks: int = 0

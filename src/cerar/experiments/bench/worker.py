@@ -89,7 +89,7 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
     warmup, iters = int(config["warmup"]), int(config["iters"])
     label = f"{method.name}" + (f" c={case['components']}" if method.coded else "") + f" {case['size_bytes'] >> 10}K"
     buf = torch.empty_like(x)
-    times, encode, decode, sent, wire, node_wire = [], [], [], [], [], []
+    times, encode, decode, handshake, sent, wire, node_wire = [], [], [], [], [], [], []
     per_node = int(config.get("ranks_per_node", 1))
     rank = dist.get_rank()
     # Bytes leaving the node at the transport: every rank's for the hierarchical methods, the
@@ -109,6 +109,7 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
             if stats is not None:
                 encode.append(stats.encode_s)
                 decode.append(stats.decode_s)
+                handshake.append(stats.handshake_s)
                 sent.append(stats.bytes_sent)
             if tx_before is not None and tx_after is not None:
                 wire.append(tx_after - tx_before)
@@ -147,6 +148,7 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
         "times_s": reduce_max(times),  # per iteration, the slowest rank
         "encode_s": reduce_max(encode),
         "decode_s": reduce_max(decode),
+        "handshake_s": reduce_max(handshake),
         "bytes_sent": reduce_max(sent),
         "wire_bytes": reduce_max(wire),
         "inter_node_bytes": inter_node,

@@ -23,7 +23,11 @@ Three ways to run it:
 
 The ``.npz`` file (see :func:`save_capture`) holds ``gradients`` ``(P, N, d)`` float32 (capture
 point, rank, parameter), ``steps`` ``(P,)``, ``losses`` ``(P, N)`` (each rank's local loss at the
-capture) and ``config``, the :class:`~cerar.experiments.train.config.TrainConfig` as JSON.
+capture), ``config``, the :class:`~cerar.experiments.train.config.TrainConfig` as JSON, and the
+layout of the flat gradient: ``parameter_names`` ``(K,)`` and ``parameter_sizes`` ``(K,)`` int64,
+the model's parameters in ``model.parameters()`` order (the order of
+:func:`cerar.experiments.train.model.local_gradient`). Files written before the layout was stored
+load with ``parameters=None``; :func:`model_parameters` rebuilds it from the config.
 """
 
 from __future__ import annotations
@@ -49,9 +53,12 @@ __all__ = [
     "capture_gradients",
     "capture_rank",
     "check_capture_steps",
+    "check_parameters",
     "default_capture_steps",
     "load_capture",
     "main",
+    "model_parameters",
+    "parameter_layout",
     "save_capture",
 ]
 
@@ -66,12 +73,15 @@ class Capture:
             ``steps[p]``.
         losses: ``(P, N)`` each rank's local loss on its batch at that point.
         config: the training run's settings (method ``allreduce``: exact averaging).
+        parameters: the flat gradient's layout, ``(name, size)`` per model parameter in order
+            (sizes sum to ``d``), or None when unknown (a file from before the layout was stored).
     """
 
     steps: tuple[int, ...]
     gradients: np.ndarray
     losses: np.ndarray
     config: TrainConfig
+    parameters: tuple[tuple[str, int], ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -81,6 +91,41 @@ class Capture:
     def size(self) -> int:
         """``d``, the number of model parameters."""
         return int(self.gradients.shape[2])
+
+
+def parameter_layout(module: Any) -> tuple[tuple[str, int], ...]:
+    """``(name, numel)`` of every trainable parameter of a torch module, in the order of
+    :func:`cerar.experiments.train.model.local_gradient`'s flat gradient."""
+    return tuple((name, int(p.numel())) for name, p in module.named_parameters() if p.requires_grad)
+
+
+def model_parameters(config: ModelConfig, seed: int = 0) -> tuple[tuple[str, int], ...]:
+    """The layout (:func:`parameter_layout`) of the ``cerar train`` model of ``config``: what a
+    capture of that model stores, rebuilt (needs torch and transformers; the seed does not change it)."""
+    from cerar.experiments.train.model import build_model
+
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"Argument 'config' must be a ModelConfig, not {type(config).__name__}.")
+    return parameter_layout(build_model(config, seed))
+
+
+def check_parameters(parameters: Any, size: int) -> tuple[tuple[str, int], ...]:
+    """``parameters`` as a tuple of ``(name, size)`` pairs after checking each name is a string,
+    each size a non-negative integer, and that the sizes sum to ``size`` (the flat length)."""
+    if isinstance(parameters, (str, bytes)) or not isinstance(parameters, Sequence):
+        raise TypeError(f"Argument 'parameters' must be a sequence of (name, size) pairs, not {parameters!r:.80}.")
+    checked = []
+    for entry in parameters:
+        if not isinstance(entry, Sequence) or isinstance(entry, (str, bytes)) or len(entry) != 2:
+            raise TypeError(f"Argument 'parameters' must hold (name, size) pairs, not {entry!r:.80}.")
+        name, count = entry
+        if not isinstance(name, str):
+            raise TypeError(f"Argument 'parameters' must name each parameter with a string, not {name!r}.")
+        checked.append((name, check_int("parameters", count, minimum=0)))
+    total = sum(count for _, count in checked)
+    if total != size:
+        raise ValueError(f"Argument 'parameters' must have sizes summing to d = {size}, not {total}.")
+    return tuple(checked)
 
 
 def default_capture_steps(steps: int) -> tuple[int, ...]:
@@ -170,7 +215,13 @@ def capture_rank(
             progress(step + 1, config.steps, float(loss_value.detach()))
     if rank != 0:
         return None
-    return Capture(steps=wanted, gradients=np.stack(gathered), losses=np.stack(losses), config=config)
+    return Capture(
+        steps=wanted,
+        gradients=np.stack(gathered),
+        losses=np.stack(losses),
+        config=config,
+        parameters=parameter_layout(module),
+    )
 
 
 def _gather(tensor: Any, rank: int, world_size: int) -> np.ndarray:
@@ -193,6 +244,13 @@ def save_capture(capture: Capture, path: Path | str) -> Path:
     if not isinstance(capture, Capture):
         raise TypeError(f"Argument 'capture' must be a Capture, not {type(capture).__name__}.")
     path = _check_path(path)
+    layout: dict[str, np.ndarray] = {}
+    if capture.parameters is not None:
+        parameters = check_parameters(capture.parameters, capture.size)
+        layout = {
+            "parameter_names": np.array([name for name, _ in parameters], dtype=str),
+            "parameter_sizes": np.array([count for _, count in parameters], dtype=np.int64),
+        }
     with atomic_path(path, suffix=".npz") as tmp:  # the suffix keeps np.savez from adding one
         np.savez(
             tmp,
@@ -200,6 +258,7 @@ def save_capture(capture: Capture, path: Path | str) -> Path:
             steps=np.asarray(capture.steps, dtype=np.int64),
             losses=capture.losses.astype(np.float64),
             config=np.array(capture.config.to_json()),
+            **layout,
         )
     return path
 
@@ -217,9 +276,20 @@ def load_capture(path: Path | str) -> Capture:
         steps = tuple(int(s) for s in data["steps"])
         losses = data["losses"]
         config = TrainConfig.from_json(str(data["config"]))
+        names = data["parameter_names"] if "parameter_names" in data.files else None
+        sizes = data["parameter_sizes"] if "parameter_sizes" in data.files else None
     if gradients.ndim != 3 or gradients.shape[0] != len(steps) or gradients.shape[1] < 2:
         raise ValueError(f"Argument 'path' holds gradients of shape {gradients.shape}, not (P, N >= 2, d).")
-    return Capture(steps=steps, gradients=gradients, losses=losses, config=config)
+    parameters = None
+    if names is not None or sizes is not None:  # older files have neither
+        if names is None or sizes is None or names.shape != sizes.shape or names.ndim != 1:
+            raise ValueError(f"Argument 'path' holds a broken parameter layout ({str(path)!r}).")
+        try:
+            pairs = [(str(n), int(k)) for n, k in zip(names, sizes, strict=True)]
+            parameters = check_parameters(pairs, gradients.shape[2])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"Argument 'path' holds a broken parameter layout ({str(path)!r}): {exc}") from None
+    return Capture(steps=steps, gradients=gradients, losses=losses, config=config, parameters=parameters)
 
 
 def _check_path(path: Path | str) -> Path:

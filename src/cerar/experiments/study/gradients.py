@@ -11,8 +11,19 @@ Input: the per-rank gradients of one or more training points (``(N, d)`` each, e
 
 and reports bytes sent per gradient element per rank (CERAR ``4 (1 + (N-2)/c)``, ring
 ``itemsize x 2 (N-1)/N``), the worst-rank and mean-rank relative error
-``||S_hat_j - S|| / ||S||``, on each training point and on i.i.d. standard normal inputs of the
-same ``(N, d)``. To show how much the ranks' gradients share, each data set also gets its
+``||S_hat_j - S|| / ||S||`` over the whole flat gradient (one bucket), on each training point and
+on i.i.d. standard normal inputs of the same ``(N, d)``. Given the flat gradient's parameter
+layout (``parameters``: names and sizes, as :mod:`cerar.experiments.study.capture` stores), it
+also reports the *per-parameter* worst relative error
+``max_{j, p} ||S_hat_j[p] - S[p]|| / ||S[p]||`` over the parameters ``p`` whose true sum is
+non-zero (:func:`parameter_errors`), which a bucket figure hides when small parameters share the
+bucket with large ones. Parameters whose true sum is exactly zero (none of the batch reached
+them) are reported apart, by their absolute error ``max_j ||S_hat_j[p]||``, and so are the single
+values whose true sum is exactly zero (e.g. the embedding rows of bytes no rank's batch held).
+Every figure is computed from the simulators' ``outputs`` and ``exact`` alone, whatever layout
+the protocol uses inside.
+
+To show how much the ranks' gradients share, each data set also gets its
 *common-part fraction* ``||mean_i g_i||^2 / mean_i ||g_i||^2`` (1: identical gradients; ``1/N``:
 orthogonal ones of equal norm, as i.i.d. data), the smallest pairwise cosine, and the spread of
 magnitudes (``max |g|`` over the RMS), which decides what a 16-bit wire loses to rounding and
@@ -34,6 +45,7 @@ from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.coding.precision import ITEMSIZE
 from cerar.experiments._extras import pyplot
+from cerar.experiments.study.capture import check_parameters
 from cerar.experiments.study.synthetic import iid_inputs
 from cerar.protocol.simulate import SimulationResult, simulate
 from cerar.protocol.simulate_ring import simulate_ring
@@ -45,6 +57,8 @@ __all__ = [
     "data_statistics",
     "gradient_study",
     "method_table",
+    "parameter_errors",
+    "parameter_table",
     "plot_gradient_study",
 ]
 
@@ -57,11 +71,13 @@ IID = "i.i.d."
 
 
 def build_code(construction: str, world_size: int, components: int) -> Code:
-    """The float32-packet code of ``construction`` (parameters chosen by the library)."""
+    """The float32-packet code of ``construction`` (parameters chosen by the library). The study
+    measures poor codes too (Vandermonde at ``c = 2N`` is one), so the library's error limit is
+    off (``max_error=None``)."""
     if construction not in CONSTRUCTIONS:
         listed = ", ".join(repr(c) for c in CONSTRUCTIONS)
         raise ValueError(f"Argument 'construction' must be one of {listed}, not {construction!r}.")
-    return codes.build(construction, world_size, components, "fp32")
+    return codes.build(construction, world_size, components, "fp32", max_error=None)
 
 
 def data_statistics(inputs: np.ndarray) -> dict[str, float]:
@@ -84,9 +100,90 @@ def data_statistics(inputs: np.ndarray) -> dict[str, float]:
     }
 
 
-def _errors(result: SimulationResult) -> dict[str, Any]:
+def parameter_errors(
+    outputs: np.ndarray, exact: np.ndarray, parameters: Sequence[tuple[str, int]]
+) -> dict[str, Any]:
+    """Every rank's error on every parameter of the flat sum, relative to that parameter's own sum.
+
+    Args:
+        outputs: ``(N, d)`` each rank's decoded sum (:attr:`SimulationResult.outputs`).
+        exact: ``(d,)`` the true sum (:attr:`SimulationResult.exact`).
+        parameters: ``(name, size)`` per parameter, in the order of the flat vector, sizes
+            summing to ``d``.
+
+    Returns:
+        A JSON-ready dict. Over the parameters ``p`` with ``||S[p]|| > 0``: ``worst``, the largest
+        ``||S_hat_j[p] - S[p]|| / ||S[p]||`` over ``j`` and ``p`` (None if there is no such
+        parameter), its ``worst_parameter`` and ``worst_rank``, ``per_rank`` (each rank's largest
+        over ``p``), ``median`` (over ``p`` of the worst rank's error) and ``count``. Under
+        ``zero_sum``, the parameters whose true sum is exactly zero: their ``count``, ``size``
+        (values), ``worst_abs`` (the largest ``||S_hat_j[p]||`` over ``j`` and those ``p``, None
+        if there are none) and its ``parameter``. Empty parameters count in neither. Under
+        ``zero_values``, the single values whose true sum is exactly zero, wherever they lie:
+        their ``count`` and ``worst_abs``, the largest ``||S_hat_j[z]||`` over ranks (None if none).
+    """
+    out = np.asarray(outputs, dtype=np.float64)
+    true = np.asarray(exact, dtype=np.float64)
+    if out.ndim != 2 or true.shape != (out.shape[1],):
+        raise ValueError(
+            f"Arguments 'outputs' and 'exact' must have shapes (N, d) and (d,), not {out.shape} and {true.shape}."
+        )
+    layout = check_parameters(parameters, out.shape[1])
+    names = [name for name, count in layout if count > 0]
+    sizes = np.array([count for _, count in layout if count > 0], dtype=np.int64)
+    empty: dict[str, Any] = {"count": 0, "size": 0, "worst_abs": None, "parameter": None}
+    zero_values = true == 0
+    zeros = {
+        "count": int(np.sum(zero_values)),
+        "worst_abs": float(np.linalg.norm(out[:, zero_values], axis=1).max()) if np.any(zero_values) else None,
+    }
+    if sizes.size == 0:
+        return {"worst": None, "worst_parameter": None, "worst_rank": None, "per_rank": [None] * len(out),
+                "median": None, "count": 0, "zero_sum": empty, "zero_values": zeros}  # fmt: skip
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    # Sums of squares per parameter: reduceat over the non-empty slices (each start < d).
+    true_norm = np.sqrt(np.add.reduceat(true**2, starts))
+    error_norm = np.sqrt(np.add.reduceat((out - true) ** 2, starts, axis=1))  # (N, K)
+    nonzero = true_norm > 0
+    result: dict[str, Any] = {"count": int(np.sum(nonzero))}
+    if np.any(nonzero):
+        relative = error_norm[:, nonzero] / true_norm[nonzero]
+        rank, column = np.unravel_index(int(np.argmax(relative)), relative.shape)
+        result.update(
+            worst=float(relative[rank, column]),
+            worst_parameter=[n for n, keep in zip(names, nonzero, strict=True) if keep][column],
+            worst_rank=int(rank),
+            per_rank=relative.max(axis=1).tolist(),
+            median=float(np.median(relative.max(axis=0))),
+        )
+    else:
+        result.update(worst=None, worst_parameter=None, worst_rank=None, per_rank=[None] * len(out), median=None)
+    zero = ~nonzero
+    if np.any(zero):
+        absolute = error_norm[:, zero]  # S[p] = 0: the error is the output itself
+        column = int(np.argmax(absolute.max(axis=0)))
+        result["zero_sum"] = {
+            "count": int(np.sum(zero)),
+            "size": int(np.sum(sizes[zero])),
+            "worst_abs": float(absolute.max()),
+            "parameter": [n for n, z in zip(names, zero, strict=True) if z][column],
+        }
+    else:
+        result["zero_sum"] = empty
+    result["zero_values"] = zeros
+    return result
+
+
+def _errors(result: SimulationResult, parameters: Sequence[tuple[str, int]] | None) -> dict[str, Any]:
     per_rank = result.relative_errors
-    return {"worst": float(per_rank.max()), "mean": float(per_rank.mean()), "per_rank": per_rank.tolist()}
+    errors: dict[str, Any] = {
+        "worst": float(per_rank.max()),
+        "mean": float(per_rank.mean()),
+        "per_rank": per_rank.tolist(),
+    }
+    if parameters is not None:
+        errors["per_parameter"] = parameter_errors(result.outputs, result.exact, parameters)
+    return errors
 
 
 def _check_datasets(datasets: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -119,6 +216,7 @@ def gradient_study(
     ring_wires: Sequence[str] = RING_WIRES,
     seed: int = 0,
     info: Mapping[str, Any] | None = None,
+    parameters: Sequence[tuple[str, int]] | None = None,
 ) -> dict[str, Any]:
     """Measure every method on every data set and on i.i.d. normal inputs of the same shape.
 
@@ -130,12 +228,17 @@ def gradient_study(
         ring_wires: a subset of :data:`RING_WIRES`.
         seed: the i.i.d. inputs' seed.
         info: copied into the result under ``"info"`` (e.g. the capture's settings).
+        parameters: the flat vector's layout, ``(name, size)`` per parameter (sizes summing to
+            ``d``; e.g. :attr:`cerar.experiments.study.capture.Capture.parameters`). Given, every
+            error also has ``per_parameter`` (:func:`parameter_errors`; the i.i.d. set is cut at
+            the same boundaries).
 
     Returns:
         A JSON-ready dict: ``world_size``, ``size``, ``datasets`` (names in order, i.i.d. first),
-        ``statistics`` (per data set, :func:`data_statistics`) and ``methods``: a list of
-        ``{label, kind, construction, components, wire, bytes_per_element, cond, parameter,
-        errors: {data set: {worst, mean, per_rank}}}``.
+        ``statistics`` (per data set, :func:`data_statistics`), ``parameters`` (the layout as
+        ``[name, size]`` lists, or None) and ``methods``: a list of ``{label, kind, construction,
+        components, wire, bytes_per_element, cond, parameter, errors: {data set: {worst, mean,
+        per_rank[, per_parameter]}}}``.
     """
     data = _check_datasets(datasets)
     multiples = [check_int("multiples", k, minimum=1) for k in multiples]
@@ -147,24 +250,31 @@ def gradient_study(
             raise ValueError(f"Argument 'ring_wires' must hold names from {RING_WIRES}, not {wire!r}.")
     seed = check_int("seed", seed, minimum=0)
     n_ranks, size = next(iter(data.values())).shape
+    layout = None if parameters is None else check_parameters(parameters, size)
     # float32 first: that is what the collective receives (gradients are float32 already).
     all_sets = {IID: iid_inputs(n_ranks, size, seed).astype(np.float32)}
     all_sets.update({name: array.astype(np.float32) for name, array in data.items()})
 
-    methods = [_cerar_entry(c, k * n_ranks, all_sets) for k in multiples for c in constructions]
-    methods += [_ring_entry(wire, all_sets) for wire in ring_wires]
+    methods = [_cerar_entry(c, k * n_ranks, all_sets, layout) for k in multiples for c in constructions]
+    methods += [_ring_entry(wire, all_sets, layout) for wire in ring_wires]
     return {
         "world_size": int(n_ranks),
         "size": int(size),
         "seed": seed,
         "datasets": list(all_sets),
         "statistics": {name: data_statistics(x) for name, x in all_sets.items()},
+        "parameters": None if layout is None else [[name, count] for name, count in layout],
         "methods": methods,
         "info": dict(info or {}),
     }
 
 
-def _cerar_entry(construction: str, components: int, data: Mapping[str, np.ndarray]) -> dict[str, Any]:
+Layout = tuple[tuple[str, int], ...] | None
+
+
+def _cerar_entry(
+    construction: str, components: int, data: Mapping[str, np.ndarray], layout: Layout
+) -> dict[str, Any]:
     """CERAR with ``construction``'s float32 code at ``c = components``, on every data set."""
     n_ranks = next(iter(data.values())).shape[0]
     code = build_code(construction, n_ranks, components)
@@ -177,11 +287,11 @@ def _cerar_entry(construction: str, components: int, data: Mapping[str, np.ndarr
         "bytes_per_element": ITEMSIZE["fp32"] * code.comm_rate,
         "cond": float(np.max(code.cond)),
         "parameter": {key: v for key, v in code.params.items() if isinstance(v, (int, float, str))},
-        "errors": {name: _errors(simulate(code, x, "fp32")) for name, x in data.items()},
+        "errors": {name: _errors(simulate(code, x, "fp32"), layout) for name, x in data.items()},
     }
 
 
-def _ring_entry(wire: str, data: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def _ring_entry(wire: str, data: Mapping[str, np.ndarray], layout: Layout) -> dict[str, Any]:
     """The exact ring with a ``wire`` wire, on every data set."""
     n_ranks = next(iter(data.values())).shape[0]
     return {
@@ -193,30 +303,75 @@ def _ring_entry(wire: str, data: Mapping[str, np.ndarray]) -> dict[str, Any]:
         "bytes_per_element": ITEMSIZE[wire] * 2 * (n_ranks - 1) / n_ranks,
         "cond": 1.0,
         "parameter": {},
-        "errors": {name: _errors(simulate_ring(x, wire)) for name, x in data.items()},
+        "errors": {name: _errors(simulate_ring(x, wire), layout) for name, x in data.items()},
     }
+
+
+def _has_parameters(study: Mapping[str, Any]) -> bool:
+    return any("per_parameter" in e for m in study["methods"] for e in m["errors"].values())
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
 
 
 def method_table(study: Mapping[str, Any], statistic: str = "worst") -> str:
     """A Markdown table: one row per method, bytes per element and ``statistic`` ("worst" or
-    "mean" rank error) on every data set, then the data sets' common-part fractions."""
+    "mean" rank error over the whole bucket) on every data set, then the data sets' common-part
+    fractions. When the study has the per-parameter figures, each data set's column is followed
+    by ``per-param``: the worst relative error over ranks and non-zero parameters."""
     if statistic not in ("worst", "mean"):
         raise ValueError(f"Argument 'statistic' must be 'worst' or 'mean', not {statistic!r}.")
     names = list(study["datasets"])
-    head = "| method | bytes/elem | " + " | ".join(names) + " |"
-    rule = "|---|---|" + "---|" * len(names)
+    split = _has_parameters(study)
+    columns = [c for n in names for c in ((n, f"{n} per-param") if split else (n,))]
+    head = "| method | bytes/elem | " + " | ".join(columns) + " |"
+    rule = "|---|---|" + "---|" * len(columns)
     lines = [head, rule]
     for m in study["methods"]:
-        cells = " | ".join(f"{m['errors'][n][statistic]:.2e}" for n in names)
-        lines.append(f"| {m['label']} | {m['bytes_per_element']:.3f} | {cells} |")
-    common = " | ".join(f"{study['statistics'][n]['common_fraction']:.3f}" for n in names)
+        cells = []
+        for n in names:
+            cells.append(f"{m['errors'][n][statistic]:.2e}")
+            if split:
+                cells.append(_cell(m["errors"][n].get("per_parameter", {}).get("worst")))
+        lines.append(f"| {m['label']} | {m['bytes_per_element']:.3f} | {' | '.join(cells)} |")
+    common = " | ".join(
+        c for n in names for c in ((f"{study['statistics'][n]['common_fraction']:.3f}",) + (("",) if split else ()))
+    )
     lines.append(f"| common-part fraction | | {common} |")
+    return "\n".join(lines)
+
+
+def parameter_table(study: Mapping[str, Any]) -> str:
+    """A Markdown table of the per-parameter figures (:func:`parameter_errors`): per method and
+    data set, the bucket's worst-rank error, the per-parameter worst and where it is (parameter,
+    rank), and the absolute error on parameters and on values whose true sum is exactly zero.
+    ValueError if the study was run without ``parameters``."""
+    if not _has_parameters(study):
+        raise ValueError("Argument 'study' has no per-parameter figures: run gradient_study with parameters.")
+    lines = [
+        "| method | data set | bucket worst | per-param worst | parameter (rank) | per-param median "
+        "| zero-sum params: count, worst abs | zero-sum values: count, worst abs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in study["methods"]:
+        for n in study["datasets"]:
+            e = m["errors"][n]
+            p = e["per_parameter"]
+            where = "-" if p["worst_parameter"] is None else f"{p['worst_parameter']} ({p['worst_rank']})"
+            z, v = p["zero_sum"], p["zero_values"]
+            lines.append(
+                f"| {m['label']} | {n} | {e['worst']:.2e} | {_cell(p['worst'])} | {where} | {_cell(p['median'])} "
+                f"| {z['count']}, {_cell(z['worst_abs'])} | {v['count']}, {_cell(v['worst_abs'])} |"
+            )
     return "\n".join(lines)
 
 
 def plot_gradient_study(study: Mapping[str, Any], path: Path | str) -> None:
     """Worst-rank error (log) against bytes per element: one marker per method, one colour
-    per data set (i.i.d. and each training point), CERAR points of one construction joined."""
+    per data set (i.i.d. and each training point), CERAR points of one construction joined.
+    With the per-parameter figures, each point also gets a hollow twin (dashed for CERAR) at the
+    per-parameter worst error."""
     plt = pyplot("bench", needed_by="cerar study")
     markers = {"perturbed": "o", "optimized": "s", "vandermonde": "D", "fp32": "*", "fp16": "^", "bf16": "v"}
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -233,10 +388,24 @@ def plot_gradient_study(study: Mapping[str, Any], path: Path | str) -> None:
                 x, y = zip(*pts, strict=True)
                 ax.plot(x, np.maximum(y, 1e-12), color=colour, marker=markers[construction], linestyle="-",
                         alpha=0.8)
+            per_param = sorted(
+                (m["bytes_per_element"], _per_parameter_worst(m, name))
+                for m in study["methods"]
+                if m["construction"] == construction and _per_parameter_worst(m, name) is not None
+            )
+            if per_param:
+                x, y = zip(*per_param, strict=True)
+                ax.plot(x, np.maximum(y, 1e-12), color=colour, marker=markers[construction], linestyle="--",
+                        markerfacecolor="none", alpha=0.8)
         for m in study["methods"]:
             if m["kind"] == "ring":
+                size = 10 if m["wire"] == "fp32" else 8
                 ax.plot(m["bytes_per_element"], max(m["errors"][name]["worst"], 1e-12), color=colour,
-                        marker=markers[m["wire"]], markersize=10 if m["wire"] == "fp32" else 8, linestyle="none")
+                        marker=markers[m["wire"]], markersize=size, linestyle="none")
+                worst = _per_parameter_worst(m, name)
+                if worst is not None:
+                    ax.plot(m["bytes_per_element"], max(worst, 1e-12), color=colour, marker=markers[m["wire"]],
+                            markersize=size, markerfacecolor="none", linestyle="none")
         common = study["statistics"][name]["common_fraction"]
         ax.plot([], [], color=colour, linewidth=6, label=f"{name} (common {common:.2f})")
     # Legend: markers (methods) in black, colours (data sets) as bars.
@@ -244,10 +413,14 @@ def plot_gradient_study(study: Mapping[str, Any], path: Path | str) -> None:
     for key, label in shown.items():
         ax.plot([], [], color="black", marker=markers[key], linestyle="-" if key in CONSTRUCTIONS else "none",
                 label=label)
+    if _has_parameters(study):
+        ax.plot([], [], color="black", marker="o", markerfacecolor="none", linestyle="--",
+                label="hollow, dashed: worst per parameter")
     ax.set_yscale("log")
     ax.set(
         xlabel="bytes sent per gradient element per rank",
-        ylabel="worst-rank relative error ||S_hat_j - S|| / ||S||",
+        ylabel="worst-rank relative error ||S_hat_j - S|| / ||S||"
+        + (" (hollow: max_p ||S_hat_j[p] - S[p]|| / ||S[p]||)" if _has_parameters(study) else ""),
         title=f"Real gradients vs i.i.d., N = {study['world_size']}, d = {study['size']:,}",
     )
     ax.grid(True, which="both", alpha=0.3)
@@ -255,3 +428,7 @@ def plot_gradient_study(study: Mapping[str, Any], path: Path | str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _per_parameter_worst(method: Mapping[str, Any], name: str) -> float | None:
+    return method["errors"][name].get("per_parameter", {}).get("worst")
