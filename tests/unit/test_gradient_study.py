@@ -90,8 +90,14 @@ def test_study_on_captured_gradients(captured: Capture, tmp_path: Path) -> None:
     study = gradient_study.gradient_study(datasets, constructions=("perturbed",), info={"note": "tiny"})
     assert study["datasets"] == ["i.i.d.", "step 0", "step 2", "step 4"]
     labels = [m["label"] for m in study["methods"]]
-    assert labels == ["cerar perturbed c=4", "cerar perturbed c=6", "ring fp32", "ring fp16", "ring bf16"]
+    sixteen = [f"cerar optimized c={c} {p}" for c in (4, 6) for p in ("fp16", "bf16")]
+    assert labels == ["cerar perturbed c=4", "cerar perturbed c=6", *sixteen, "ring fp32", "ring fp16", "ring bf16"]
     by_label = {m["label"]: m for m in study["methods"]}
+    # 16-bit packets: half of float32 CERAR's bytes, and a coarser but bounded error.
+    assert by_label["cerar optimized c=4 fp16"]["bytes_per_element"] == pytest.approx(2.0)
+    assert by_label["cerar optimized c=4 fp16"]["wire"] == "fp16"
+    for name in study["datasets"]:
+        assert by_label["cerar optimized c=4 fp16"]["errors"][name]["worst"] < 5e-2
     # N = 2: CERAR sends 4 bytes per element (no (N-2)/c term), the rings 2 x 2(N-1)/N.
     assert by_label["cerar perturbed c=4"]["bytes_per_element"] == pytest.approx(4.0)
     assert by_label["ring fp16"]["bytes_per_element"] == pytest.approx(2.0)

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     multiples = (2, 3) if args.quick else (1.5, 2, 3, 4)
-    tradeoff = study.tradeoff_study(world_sizes, multiples, ("fp32", "fp64"), size, args.seed)
+    tradeoff = study.tradeoff_study(world_sizes, multiples, ("fp32", "fp64", "fp16", "bf16"), size, args.seed)
     _write(out / "tradeoff.json", tradeoff)
     study.plot_tradeoff(tradeoff, out / "tradeoff.png")
     for point in tradeoff["points"]:

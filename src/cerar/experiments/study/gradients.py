@@ -67,17 +67,19 @@ __all__ = [
 #: in as the exact reference).
 CONSTRUCTIONS: tuple[str, ...] = tuple(name for name in codes.CONSTRUCTIONS if name != "exact")
 RING_WIRES: tuple[str, ...] = ("fp32", "fp16", "bf16")
+#: CERAR's packet precisions: float32, and the 16-bit packets (codes designed for each).
+CERAR_PACKETS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 IID = "i.i.d."
 
 
-def build_code(construction: str, world_size: int, components: int) -> Code:
-    """The float32-packet code of ``construction`` (parameters chosen by the library). The study
-    measures poor codes too (Vandermonde at ``c = 2N`` is one), so the library's error limit is
-    off (``max_error=None``)."""
+def build_code(construction: str, world_size: int, components: int, packet: str = "fp32") -> Code:
+    """The ``packet``-precision code of ``construction`` (parameters chosen by the library). The
+    study measures poor codes too (Vandermonde at ``c = 2N`` is one), so the library's error
+    limit is off (``max_error=None``)."""
     if construction not in CONSTRUCTIONS:
         listed = ", ".join(repr(c) for c in CONSTRUCTIONS)
         raise ValueError(f"Argument 'construction' must be one of {listed}, not {construction!r}.")
-    return codes.build(construction, world_size, components, "fp32", max_error=None)
+    return codes.build(construction, world_size, components, packet, max_error=None)
 
 
 def data_statistics(inputs: np.ndarray) -> dict[str, float]:
@@ -214,6 +216,7 @@ def gradient_study(
     multiples: Sequence[int] = (2, 3),
     constructions: Sequence[str] = CONSTRUCTIONS,
     ring_wires: Sequence[str] = RING_WIRES,
+    cerar_packets: Sequence[str] = CERAR_PACKETS,
     seed: int = 0,
     info: Mapping[str, Any] | None = None,
     parameters: Sequence[tuple[str, int]] | None = None,
@@ -226,6 +229,9 @@ def gradient_study(
         multiples: CERAR's ``c = k N`` for each ``k`` (integers, at least 1).
         constructions: a subset of :data:`CONSTRUCTIONS`.
         ring_wires: a subset of :data:`RING_WIRES`.
+        cerar_packets: CERAR's packet precisions, a subset of :data:`CERAR_PACKETS` (float32 for
+            every construction; the 16-bit ones with the ``optimized`` design for that precision,
+            the one ``cerar.all_reduce(packet_dtype=...)`` uses by default).
         seed: the i.i.d. inputs' seed.
         info: copied into the result under ``"info"`` (e.g. the capture's settings).
         parameters: the flat vector's layout, ``(name, size)`` per parameter (sizes summing to
@@ -248,6 +254,9 @@ def gradient_study(
     for wire in ring_wires:
         if wire not in RING_WIRES:
             raise ValueError(f"Argument 'ring_wires' must hold names from {RING_WIRES}, not {wire!r}.")
+    for packet in cerar_packets:
+        if packet not in CERAR_PACKETS:
+            raise ValueError(f"Argument 'cerar_packets' must hold names from {CERAR_PACKETS}, not {packet!r}.")
     seed = check_int("seed", seed, minimum=0)
     n_ranks, size = next(iter(data.values())).shape
     layout = None if parameters is None else check_parameters(parameters, size)
@@ -255,7 +264,11 @@ def gradient_study(
     all_sets = {IID: iid_inputs(n_ranks, size, seed).astype(np.float32)}
     all_sets.update({name: array.astype(np.float32) for name, array in data.items()})
 
-    methods = [_cerar_entry(c, k * n_ranks, all_sets, layout) for k in multiples for c in constructions]
+    methods = []
+    if "fp32" in cerar_packets:
+        methods += [_cerar_entry(c, k * n_ranks, all_sets, layout) for k in multiples for c in constructions]
+    narrow = [p for p in cerar_packets if p != "fp32"]
+    methods += [_cerar_entry("optimized", k * n_ranks, all_sets, layout, p) for k in multiples for p in narrow]
     methods += [_ring_entry(wire, all_sets, layout) for wire in ring_wires]
     return {
         "world_size": int(n_ranks),
@@ -273,21 +286,21 @@ Layout = tuple[tuple[str, int], ...] | None
 
 
 def _cerar_entry(
-    construction: str, components: int, data: Mapping[str, np.ndarray], layout: Layout
+    construction: str, components: int, data: Mapping[str, np.ndarray], layout: Layout, packet: str = "fp32"
 ) -> dict[str, Any]:
-    """CERAR with ``construction``'s float32 code at ``c = components``, on every data set."""
+    """CERAR with ``construction``'s code for ``packet`` packets at ``c = components``, on every data set."""
     n_ranks = next(iter(data.values())).shape[0]
-    code = build_code(construction, n_ranks, components)
+    code = build_code(construction, n_ranks, components, packet)
     return {
-        "label": f"cerar {construction} c={components}",
+        "label": f"cerar {construction} c={components}" + ("" if packet == "fp32" else f" {packet}"),
         "kind": "cerar",
         "construction": construction,
         "components": components,
-        "wire": "fp32",
-        "bytes_per_element": ITEMSIZE["fp32"] * code.comm_rate,
+        "wire": packet,
+        "bytes_per_element": ITEMSIZE[packet] * code.comm_rate,
         "cond": float(np.max(code.cond)),
         "parameter": {key: v for key, v in code.params.items() if isinstance(v, (int, float, str))},
-        "errors": {name: _errors(simulate(code, x, "fp32"), layout) for name, x in data.items()},
+        "errors": {name: _errors(simulate(code, x, packet), layout) for name, x in data.items()},
     }
 
 
