@@ -117,7 +117,8 @@ def test_parse_method() -> None:
     assert parse_method("cerar:8:fp16", 4) == ("cerar", {"components": 8, "packet": "fp16"})
     assert parse_method("cerar:2N:bf16", 4) == ("cerar", {"components": 8, "packet": "bf16"})
     assert TrainConfig(method="cerar", components=8, packet="fp16").label == "cerar-c8-fp16-s0"
-    assert set(HOOKS) == {"allreduce", "ring", "cerar", "fp16", "bf16", "powersgd"}
+    assert set(HOOKS) == {"allreduce", "ring", "cerar", "hier-ring", "hier-cerar", "fp16", "bf16", "powersgd"}
+    assert parse_method("hier-cerar:2N", 2) == ("hier-cerar", {"components": 4})  # N: the nodes (the caller passes M)
     for bad in ("fp16:2", "cerar:x", "powersgd:2N", "cerar:0", "nccl", "cerar:8:fp8", "ring:2:fp16"):
         with pytest.raises(ValueError, match="Argument 'method'"):
             parse_method(bad, 4)
@@ -298,3 +299,31 @@ def test_plan_rejects_repeated_runs() -> None:
     args = build_parser(only="train").parse_args(["train", "-N", "4"])
     labels = [c.label for c in plan_runs(args)]
     assert labels == ["allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "powersgd-r4-s0"]
+
+
+def test_train_on_nodes_with_the_hierarchical_and_16_bit_methods(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks on loopback: hier-ring (exact between nodes), hier-cerar (its code for
+    the 2 nodes: exact at M = 2) and CERAR with float16 packets train the same model; the first
+    two keep the replicas within float rounding, the third within its error."""
+    from cerar.cli import main
+
+    out = tmp_path / "nodes"
+    argv = [
+        "train", "--nodes", "2", "--ranks-per-node", "2", "--regime", "fast",
+        "--methods", "allreduce", "hier-ring", "hier-cerar", "cerar:8:fp16", "--noise-seeds", "1",
+        "--steps", "4", "--eval-every", "2", "--batch-size", "2", "--layers", "1", "--hidden", "32",
+        "--heads", "2", "--seq-len", "32", "--warmup-steps", "1", "--eval-sequences", "4",
+        "--timeout-s", "120", "--no-plots", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {r["label"]: r for r in summary["runs"]}
+    assert set(runs) == {"allreduce-s0", "hier-ring-s0", "hier-cerar-c4-s0", "cerar-c8-fp16-s0"}
+    base = runs["allreduce-s0"]["final_val_loss"]
+    for label in ("hier-ring-s0", "hier-cerar-c4-s0"):
+        assert runs[label]["final_val_loss"] == pytest.approx(base, abs=1e-3)
+        assert runs[label]["max_divergence"] < 1e-5
+        assert runs[label]["bytes_measured"] and runs[label]["bytes_per_step"] > 0
+    assert runs["cerar-c8-fp16-s0"]["final_val_loss"] == pytest.approx(base, abs=0.05)
+    # float16 packets: 2 (1 + (N-2)/c) = 2.5 bytes per value against the fp32 ring's 6.
+    assert runs["cerar-c8-fp16-s0"]["bytes_per_step"] < 0.5 * runs["allreduce-s0"]["bytes_per_step"]

@@ -1,7 +1,8 @@
 """``cerar bench``: all-reduce time of builtin, ring and CERAR on a fast and a slow network.
 
-Launches the ranks itself (no torchrun). Prints a table, writes the JSON document and two
-plots to ``--out`` (default ``results/bench/``), and ``--json PATH`` if asked.
+Launches the ranks itself, or with ``--launcher torchrun`` one torchrun agent per (emulated)
+node. Prints a table, writes the JSON document and two plots to ``--out`` (default
+``results/bench/``), and ``--json PATH`` if asked.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "namespaces with tc-limited links (slow, needs root, ip and tc; otherwise fast only). "
             "--nodes M --ranks-per-node G emulates M nodes: one namespace per node holding its G ranks "
             "(fast loopback inside), its one link limited to --rate, and adds hier-ring and hier-cerar "
-            "(exact inside nodes, the ring or CERAR between them)."
+            "(exact inside nodes, the ring or CERAR between them). --launcher torchrun starts one "
+            "torchrun --nnodes M --nproc-per-node G agent per node (in its namespace) with a c10d "
+            "rendezvous at node 0, instead of every rank."
         ),
     )
     add_flags(p, BenchConfig)  # the measurement's settings: BenchConfig's fields

@@ -43,9 +43,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=list(DEFAULT_METHODS),
         help=f"methods: {', '.join(h.usage for h in HOOKS.values())} (default: %(default)s)",
     )
-    p.add_argument("--world-size", "-N", type=int, default=4, help="ranks (default 4)")
+    p.add_argument(
+        "--world-size", "-N", type=int, default=4, help="ranks (default 4; set by --nodes x --ranks-per-node)"
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="emulated nodes M, each one network namespace of G ranks with one link (default: N / G)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks per emulated node G (default 1: a namespace per rank); hier-* methods run exact inside a node",
+    )
     p.add_argument("--regime", choices=("fast", "slow"), default="slow", help="network (default slow)")
-    p.add_argument("--rate", default="400mbit", help="slow: each rank's link rate (default 400mbit)")
+    p.add_argument(
+        "--rate", default="400mbit", help="slow: each rank's (with nodes: each node's) link rate (default 400mbit)"
+    )
     p.add_argument("--delay", default="0ms", help="slow: added one-way delay (default 0ms)")
     p.add_argument("--seed", type=int, default=0, help="seed of every method's run (default 0)")
     p.add_argument(
@@ -73,9 +89,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_arguments(p)
 
 
+def _resolve_nodes(args: argparse.Namespace) -> None:
+    """``--nodes M`` sets ``world_size = M x G``; ``--ranks-per-node G`` must divide it."""
+    if args.ranks_per_node < 1:
+        raise ValueError(f"Argument 'ranks_per_node' must be at least 1, not {args.ranks_per_node}.")
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise ValueError(f"Argument 'nodes' must be at least 1, not {args.nodes}.")
+        args.world_size = args.nodes * args.ranks_per_node
+    if args.world_size % args.ranks_per_node:
+        raise ValueError(
+            f"Argument 'ranks_per_node' must divide world_size {args.world_size}, not {args.ranks_per_node}."
+        )
+    args.nodes = args.world_size // args.ranks_per_node
+
+
 def plan_runs(args: argparse.Namespace) -> list[TrainConfig]:
     """The runs, in order: each method once with ``--seed``, plus extra allreduce seeds; each of
     them at every bucket size of ``--bucket-cap-mb`` (same data, same seeds)."""
+    _resolve_nodes(args)
     if args.world_size < 2:
         raise ValueError(f"Argument 'world_size' must be at least 2, not {args.world_size}.")
     if args.noise_seeds < 1:
@@ -84,7 +116,7 @@ def plan_runs(args: argparse.Namespace) -> list[TrainConfig]:
     for spec in args.methods:
         seeds = range(args.seed, args.seed + (args.noise_seeds if spec == "allreduce" else 1))
         for seed in seeds:
-            config = config_from_args(args, spec, seed, args.world_size)
+            config = config_from_args(args, spec, seed, args.world_size, args.nodes)
             configs += [config.at_bucket(cap) for cap in config.bucket_caps]
     labels = [run_label(c, configs) for c in configs]
     duplicated = sorted({label for label in labels if labels.count(label) > 1})
@@ -267,12 +299,13 @@ def _launch_run(
     worker = [sys.executable, "-m", "cerar.experiments.train.worker"]
     command = [*worker, "--config", str(config_path), "--out", str(out_path), "--progress", "lines"]
     load_before = os.getloadavg()[0]
-    network = {"regime": args.regime, "rate": args.rate, "delay": args.delay}
+    network = {"regime": args.regime, "rate": args.rate, "delay": args.delay, "ranks_per_node": args.ranks_per_node}
     result = launch(command, args.world_size, timeout_s=args.timeout_s, on_line=follow, **network)
     record = json.loads(out_path.read_text())
     # The machine may be shared: the load average says how much others competed for the CPUs.
     record["launch"] = {
         "world_size": args.world_size,
+        "ranks_per_node": args.ranks_per_node,
         "regime": result.regime,
         "rate": result.rate,
         "wall_s": result.wall_s,
@@ -286,6 +319,8 @@ def _launch_run(
 
 def _print_summary(args: argparse.Namespace, first: TrainConfig, summary: dict[str, Any], summaries: list[Any]) -> None:
     regime = f"slow, {args.rate}" if args.regime == "slow" else "fast (loopback)"
+    if args.ranks_per_node > 1:
+        regime += f", {args.nodes} nodes x {args.ranks_per_node} ranks"
     print(
         f"cerar train: N = {args.world_size}, {regime}, {first.steps} steps x {first.batch_size} seq x "
         f"{first.model.seq_len} bytes per rank, GPT-NeoX {first.model.layers}L/{first.model.hidden}H "
@@ -305,6 +340,7 @@ def _reusable(path: Path, config: TrainConfig, args: argparse.Namespace) -> dict
     same = (
         record.get("config") == config.to_dict()
         and record.get("world_size") == args.world_size
+        and launch.get("ranks_per_node", 1) == args.ranks_per_node
         and launch.get("regime") == args.regime
         and (args.regime == "fast" or launch.get("rate") == args.rate)
     )

@@ -21,7 +21,7 @@ from typing import IO
 
 from cerar.harness.netem import Network
 
-__all__ = ["LaunchError", "LineCallback", "RankProcesses", "RankResult", "describe_returncode"]
+__all__ = ["LaunchError", "LineCallback", "RankProcesses", "RankResult", "describe_returncode", "orphan_guard"]
 
 _KILL_GRACE_S = 1.0
 _TAIL_LINES = 20
@@ -67,7 +67,15 @@ def describe_returncode(code: int) -> str:
 
 
 class RankProcesses:
-    """The rank processes of one launch, their reader threads and their collected output."""
+    """The rank processes of one launch, their reader threads and their collected output.
+
+    One process per rank (``count`` = ``world_size``, labelled ``rank`` in errors); a subclass
+    may start other processes (:class:`cerar.harness.torchrun.NodeProcesses`: one torchrun
+    agent per node) by overriding ``count``, ``label``, :meth:`prefix`, :meth:`command` and
+    :meth:`env`.
+    """
+
+    label = "rank"
 
     def __init__(
         self,
@@ -80,6 +88,8 @@ class RankProcesses:
         ranks_per_node: int = 1,
     ) -> None:
         self.world_size = world_size
+        self.count = world_size
+        self.kill_descendants = False  # also kill what the processes started in other sessions
         self.ranks_per_node = ranks_per_node
         self.on_line = on_line
         self.procs: list[subprocess.Popen[str]] = []
@@ -117,16 +127,27 @@ class RankProcesses:
             env["CERAR_IFNAME"] = net.ranks[rank].ifname
         return env
 
+    def prefix(self, index: int) -> list[str]:
+        """The argv prefix of process ``index`` (its namespace, in ``slow``)."""
+        return self.net.exec_prefix(index) if self.net else []
+
+    def command(self, index: int, port: int) -> list[str]:
+        """The argv of process ``index``, after :meth:`prefix` and the orphan guard."""
+        return self.argv
+
+    def env(self, index: int, port: int) -> dict[str, str]:
+        """The environment of process ``index``."""
+        return self.rank_env(index, port)
+
     def start(self, port: int) -> None:
         """Start every rank (rank 0 listens on ``port``), with its reader threads."""
         self.started = time.perf_counter()
-        for rank in range(self.world_size):
-            prefix = self.net.exec_prefix(rank) if self.net else []
+        for rank in range(self.count):
             # Own session: a terminal's Ctrl-C reaches only the launcher, which then stops the
             # ranks itself, and killpg reaches anything a rank started.
             proc = subprocess.Popen(
-                [*prefix, *_orphan_guard(), *self.argv],
-                env=self.rank_env(rank, port),
+                [*self.prefix(rank), *orphan_guard(), *self.command(rank, port)],
+                env=self.env(rank, port),
                 cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -178,13 +199,21 @@ class RankProcesses:
         if self.stopped:
             return
         self.stopped = True
+        # Processes started in sessions of their own (torchrun's ranks) escape killpg: they are
+        # found before the first signal (their parent may die of it) and killed at the end.
+        others = _descendants([p.pid for p in self.procs]) if self.kill_descendants else set()
         for sig, grace in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+            if sig == signal.SIGKILL and self.kill_descendants:
+                others |= _descendants([p.pid for p in self.procs])
             for proc in self.procs:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)  # the group outlives its leader: always signal it
             end = time.perf_counter() + grace
             while time.perf_counter() < end and any(p.poll() is None for p in self.procs):
                 time.sleep(0.02)
+        for pid in others:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)
@@ -205,37 +234,71 @@ class RankProcesses:
     def _error(self, failed: list[int], *, timed_out: bool, timeout_s: float) -> LaunchError:
         results = self._results()
         if timed_out:
-            head = f"ranks timed out after {timeout_s:g} s and were killed"
-            shown = list(range(self.world_size))
+            head = f"{self.label}s timed out after {timeout_s:g} s and were killed"
+            shown = list(range(self.count))
         else:
-            codes = ", ".join(f"rank {r} exited with {describe_returncode(results[r].returncode)}" for r in failed)
-            head = f"{codes}; the other ranks were killed"
+            label = self.label
+            codes = ", ".join(f"{label} {r} exited with {describe_returncode(results[r].returncode)}" for r in failed)
+            head = f"{codes}; the other {label}s were killed"
             shown = failed
         parts = [head]
         for r in shown:
             tail = "".join(results[r].stderr.splitlines(keepends=True)[-_TAIL_LINES:]).rstrip()
-            parts.append(f"--- rank {r} (exit {describe_returncode(results[r].returncode)}) stderr tail ---")
+            parts.append(f"--- {self.label} {r} (exit {describe_returncode(results[r].returncode)}) stderr tail ---")
             parts.append(tail or "(empty)")
         return LaunchError("\n".join(parts), failed, results, timed_out)
 
 
 # Run in front of each rank's command on Linux: ask the kernel to SIGKILL the rank when the
 # launcher dies (even by SIGKILL, which no cleanup code survives), then exec the command. The
-# launcher stays the parent because `ip netns exec` execs rather than forks.
+# launcher stays the parent because `ip netns exec` execs rather than forks. Parent "-": the
+# process that started the guard, whichever it is (torchrun's agent, whose pid is not known
+# when its argv is built).
 _GUARD = """
 import ctypes, os, signal, sys
+parent = os.getppid() if sys.argv[1] == "-" else int(sys.argv[1])
 try:
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
 except Exception:
     pass
-if os.getppid() != int(sys.argv[1]):
+if os.getppid() != parent:
     os._exit(137)  # the launcher died before the guard was armed
 os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
-def _orphan_guard() -> list[str]:
-    """The argv prefix that kills a rank when its launcher dies (empty off Linux)."""
+def orphan_guard(parent: str | None = None) -> list[str]:
+    """The argv prefix that kills a process when its parent dies (empty off Linux).
+
+    ``parent``: the pid that must stay the parent (default: this launcher's), or ``"-"`` for
+    the process that starts the guard.
+    """
     if not sys.platform.startswith("linux"):
         return []
-    return [sys.executable, "-c", _GUARD, str(os.getpid())]
+    return [sys.executable, "-c", _GUARD, parent if parent is not None else str(os.getpid())]
+
+
+def _descendants(roots: Sequence[int]) -> set[int]:
+    """Every live descendant of ``roots`` (from ``/proc``; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found

@@ -16,7 +16,7 @@ from cerar.coding import codes
 from cerar.experiments._flags import flag
 from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, BASELINE, get_method
 from cerar.harness import netem
-from cerar.harness.launch import DEFAULT_RATE
+from cerar.harness.launch import DEFAULT_RATE, LAUNCHERS, RENDEZVOUS
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -137,6 +137,14 @@ class BenchConfig:
             "network regime(s)", name="--regime", parse=_regimes, choices=REGIME_CHOICES, default_text="both"
         ),
     )
+    launcher: str = field(
+        default="direct",
+        metadata=flag(
+            "direct: start every rank; torchrun: one torchrun --nnodes M --nproc-per-node G agent per node",
+            choices=LAUNCHERS,
+        ),
+    )
+    rdzv: str = field(default="c10d", metadata=flag("torchrun's rendezvous at node 0", choices=RENDEZVOUS))
     rate: str = field(default=DEFAULT_RATE, metadata=flag("slow: per-rank (with nodes: per-node) link rate"))
     delay: str = field(default="0ms", metadata=flag("slow: added latency per link (needs netem)"))
     iters: int = field(default=5, metadata=flag("timed iterations", default_text="5; --quick 2"))
@@ -184,6 +192,8 @@ class BenchConfig:
             raise ValueError("Argument 'regime' must name at least one regime, not ().")
         for regime in self.regimes:
             check_choice("regime", regime, ("fast", "slow"))
+        check_choice("launcher", self.launcher, LAUNCHERS)
+        check_choice("rdzv", self.rdzv, RENDEZVOUS)
         netem.check_rate(self.rate)
         netem.check_delay(self.delay)
         check_int("iters", self.iters, minimum=1)

@@ -186,7 +186,7 @@ class TrainConfig:
     @property
     def name(self) -> str:
         """The method with its parameter: ``allreduce``, ``cerar-c8``, ``powersgd-r4``."""
-        if self.method == "cerar" and self.components is not None:
+        if self.method in ("cerar", "hier-cerar") and self.components is not None:
             return f"{self.method}-c{self.components}" + (f"-{self.packet}" if self.packet else "")
         if self.method == "powersgd":
             return f"{self.method}-r{self.powersgd_rank}"
@@ -281,8 +281,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, TrainConfig, title="training")
 
 
-def config_from_args(args: argparse.Namespace, method: str, seed: int, world_size: int) -> TrainConfig:
+def config_from_args(
+    args: argparse.Namespace, method: str, seed: int, world_size: int, nodes: int | None = None
+) -> TrainConfig:
     """The :class:`TrainConfig` for one method spec (see :func:`parse_method`) and seed: the
-    spec's parameter wins over ``--powersgd-rank``."""
-    name, overrides = parse_method(method, world_size)
+    spec's parameter wins over ``--powersgd-rank``. ``nodes``: the ``M`` of a hierarchical
+    method's ``kN`` (its code is for the nodes)."""
+    hierarchical = HOOKS[method.partition(":")[0]].hierarchical if method.partition(":")[0] in HOOKS else False
+    name, overrides = parse_method(method, nodes if hierarchical and nodes else world_size)
     return from_flags(args, TrainConfig, method=name, seed=seed, **overrides)

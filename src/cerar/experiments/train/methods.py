@@ -132,6 +132,9 @@ class Hook:
         build: makes the hook for a config and ``N`` (see :data:`Build`).
         parameter: the config field ``name:x`` sets (``None``: the method takes none).
         per_rank: ``name:kN`` means ``k x N``, and the plain name means ``2N``.
+        hierarchical: exact inside each node, the method only between the ``M`` nodes
+            (``N`` in ``kN`` is then ``M``); the node layout comes from the launcher
+            (``CERAR_RANKS_PER_NODE``, else torchrun's ``LOCAL_WORLD_SIZE``).
     """
 
     name: str
@@ -139,6 +142,7 @@ class Hook:
     build: Build
     parameter: str | None = None
     per_rank: bool = False
+    hierarchical: bool = False
 
 
 def install(config: HookSettings, model: DistributedDataParallel, timeline: Timeline) -> InstalledHook:
@@ -204,6 +208,42 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
             installed.collectives += 1  # the ring (its handshake rides on the same point-to-point links)
 
     return installed, cerar_hook if coded else ring_hook, state, count
+
+
+def _build_hierarchical(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
+    """``hier-cerar`` (``perturbed(M, c)`` between the ``M`` nodes) or ``hier-ring`` (the exact
+    ring between nodes), exact inside each node (:mod:`cerar.comm.hierarchical`)."""
+    import os
+
+    from cerar.coding import codes
+    from cerar.comm.ddp import HierarchicalState, hier_cerar_hook, hier_ring_hook
+
+    coded = config.method == "hier-cerar"
+    text = os.environ.get("CERAR_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
+    per_node = int(text)
+    nodes = world_size // per_node
+    components = config.components if config.components is not None else 2 * nodes
+    state = HierarchicalState(
+        code=codes.perturbed(nodes, components) if coded and nodes > 1 else None,
+        ranks_per_node=per_node,
+        nonfinite=config.nonfinite,
+        min_bucket_bytes=round(config.min_bucket_mb * 2**20),
+        resync_every=config.resync_every,
+        divergence_tol=config.divergence_tol,
+    )
+    layout = f"{nodes} nodes x {per_node} ranks"
+    if coded:
+        installed = InstalledHook("hier-cerar", True, f"hier_cerar_hook ({layout}), {state.code!r}", state=state)
+        installed.extra = {"components": components, "nodes": nodes, "ranks_per_node": per_node}
+    else:
+        description = f"hier_ring_hook ({layout}, exact ring between nodes)"
+        installed = InstalledHook("hier-ring", True, description, state=state)
+        installed.extra = {"nodes": nodes, "ranks_per_node": per_node}
+
+    def count(bucket: dist.GradBucket) -> None:
+        installed.collectives += 1  # bytes: the transport's, between nodes only
+
+    return installed, hier_cerar_hook if coded else hier_ring_hook, state, count
 
 
 def _build_powersgd(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
@@ -275,6 +315,11 @@ HOOKS: dict[str, Hook] = {
         Hook("allreduce", "allreduce", _builtin("allreduce_hook", 4, "allreduce_hook (= DDP's default)")),
         Hook("ring", "ring", _build_cerar_or_ring),
         Hook("cerar", "cerar[:c|:kN][:fp16|:bf16]", _build_cerar_or_ring, parameter="components", per_rank=True),
+        Hook("hier-ring", "hier-ring", _build_hierarchical, hierarchical=True),
+        Hook(
+            "hier-cerar", "hier-cerar[:c|:kM]", _build_hierarchical, parameter="components", per_rank=True,
+            hierarchical=True,
+        ),
         Hook("fp16", "fp16", _builtin("fp16_compress_hook", 2, "fp16_compress_hook")),
         Hook("bf16", "bf16", _builtin("bf16_compress_hook", 2, "bf16_compress_hook")),
         Hook("powersgd", "powersgd[:r]", _build_powersgd, parameter="powersgd_rank"),
