@@ -10,8 +10,8 @@ the network. For each message size (MB of float32) and a middle rank (the worst 
 * encode: all ``L = c + N - 2`` rounds of the collective's ``encode_piece`` (``received + X f_t``,
   one ``addmv`` on the ``(m, c)`` rows) over the whole message, 16 pieces per round as the
   transport cuts a large packet (``cerar.comm.algorithms``);
-* decode: the collective's ``fold_observation`` for the ``c`` observation slots, in float64
-  (the own part ``X D^T`` with slot 0, then one rank-1 update per slot), piece by piece;
+* decode: the collective's ``fold_slots`` over its groups of observation slots, in float64
+  (the own part ``X D^T`` with the first group, then one ``addmm`` per group), piece by piece;
 * casts: float32 -> float16 -> float32 and float32 -> bfloat16 -> float32 of the whole message;
 * copy: ``dst.copy_(src)`` of the same number of bytes, the floor any of these is measured against.
 
@@ -32,7 +32,7 @@ import time
 import torch
 
 from cerar import codes
-from cerar.comm.algorithms import _torch_plan, encode_piece, fold_observation
+from cerar.comm.algorithms import _torch_plan, encode_piece, fold_slots, slot_groups
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -73,12 +73,12 @@ def _encode(rows_f: torch.Tensor, own: torch.Tensor, out: torch.Tensor) -> torch
 
 
 def _decode(plan, own: torch.Tensor, obs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """The float64 sum from the own rows and the ``c`` observation packets, slot by slot."""
+    """The float64 sum from the own rows and the ``c`` observation packets, group by group."""
     weights = plan.decode_obs.t().contiguous()
-    for slot in range(obs.shape[0]):
+    for start, stop in slot_groups(obs.shape[0]):
         for a, b in _pieces(own.shape[0]):
-            own64 = own[a:b].double() if slot == 0 else None
-            fold_observation(total[a:b], obs[slot, a:b].double(), weights[slot], own64, plan.decode_own_t)
+            own64 = own[a:b].double() if start == 0 else None
+            fold_slots(total[a:b], obs[start:stop, a:b].double(), weights[start:stop], own64, plan.decode_own_t)
     return total
 
 

@@ -9,14 +9,16 @@
   when ``c`` does not divide ``d``.
 * :func:`run_ring` is the exact reduce-scatter + all-gather ring, optionally with a 16-bit wire.
 
-CERAR's CPU work is spread over the rounds, piece by piece, so no round waits for a block of it:
+CERAR's CPU work is spread over the rounds, piece by piece, and kept off the critical path (it
+runs in the engine's ``landed`` hook, once the piece's next round is on the wire):
 
-* encode: round ``t``'s piece is ``r(t-1) + X_piece f_t`` (one ``addmv``: the received piece plus
-  the piece's rows times the round's increment row), computed when the piece is sent;
-* decode: ``S_hat = D X + W R`` is accumulated in float64 as the observations arrive: the own
-  part ``D X`` and observation slot 0 with the first observed round, each later slot as one
-  rank-1 update of the piece when its packet lands. The last round's piece adds its slot and is
-  written out, so the tail after the last byte is one piece's update.
+* encode: a piece's increment for round ``t`` (``X_piece f_t``, one ``mv`` on the piece's
+  ``(w, c)`` rows) is computed while its round ``t - 1`` is on the wire, so sending a piece costs
+  one add (received piece + increment);
+* decode: ``S_hat = D X + W R`` is accumulated in float64 in about three groups of observation
+  slots (:func:`slot_groups`): the own part and the first group when that group has landed, each
+  later group as one ``addmm`` when its last slot lands; the last group's piece is then written
+  out, so the tail after the last byte is one piece's last group.
 """
 
 from __future__ import annotations
@@ -86,16 +88,27 @@ def encode_piece(
     return out.add_(received)
 
 
-def fold_observation(
+def fold_slots(
     total: torch.Tensor, arrived: torch.Tensor, weights: torch.Tensor, own: torch.Tensor | None = None,
     decode_own_t: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Fold one observation piece into the float64 sum ``total`` (``(w, c)``, rows as in flat):
-    ``total += arrived (x) weights`` (a rank-1 update; ``arrived`` float64 ``(w,)``). With ``own``
-    (the piece's values in float64) the accumulator starts as ``own @ D^T``, the own part."""
+    """Fold a group of ``k`` observation slots of one piece into the float64 sum ``total``
+    (``(w, c)``, rows as in flat): ``total += arrived^T @ weights`` (``arrived`` float64
+    ``(k, w)``, ``weights`` the group's ``(k, c)`` rows of ``W^T``). With ``own`` (the piece's
+    values in float64) the accumulator starts as ``own @ D^T + arrived^T @ weights``, the own
+    part and the group's, written in one pass."""
     if own is not None:
         torch.mm(own, decode_own_t, out=total)
-    total.addr_(arrived, weights)
+    total.addmm_(arrived.t(), weights)
+
+
+def slot_groups(components: int) -> list[tuple[int, int]]:
+    """The observation slots folded together, ``[(first, stop), ...]``: about three groups, the
+    last the smallest, so that the accumulator is streamed three times (a rank-1 update per
+    slot streamed it ``c`` times: memory-bound, and four ranks share two cores here) and the work
+    left after the last round lands is the last group's."""
+    size = max(2, math.ceil(components / 3))
+    return [(start, min(start + size, components)) for start in range(0, components, size)]
 
 
 #: ``accept(maxima)``: given every rank's ``max|x|`` (``inf``: NaN/Inf), whether to write the
@@ -132,7 +145,8 @@ def run_cerar(
     2. Each round's pieces are encoded as they are sent, from ``X / scale`` (``scale`` a power
        of two folded into the increment rows: exact, and free), in ``packet_dtype`` (default
        ``flat``'s dtype; a 16-bit packet is computed in ``flat``'s dtype and rounded once).
-    3. Observations are folded into a float64 accumulator as they land, times ``scale``.
+    3. Observations are folded into a float64 accumulator, a group of slots at a time, times
+       ``scale``.
     4. When the last round's piece lands, the chain has long completed: ``accept(maxima)``
        decides, the same on every rank, and the piece's sum is written (or nothing is, and
        ``flat`` keeps its input for the caller's fallback or redo).
@@ -162,12 +176,19 @@ def run_cerar(
             columns[a] = padded
 
     send = WORKSPACE.get("send", (2, m), packet, device)
-    recv = WORKSPACE.get("recv", (2, m), packet, device)
-    widen = packet != dtype  # 16-bit packets: encode in flat's dtype, round once
+    recv = WORKSPACE.get("recv", (2, m), packet, device)  # rounds before the first observation
+    widen = packet != dtype  # 16-bit packets: add in flat's dtype, round once
     encoded = WORKSPACE.get("encoded", (m,), dtype, device) if widen else None
+    increment = WORKSPACE.get("increment", (m,), dtype, device)  # X f_t of the piece's next round
     total = WORKSPACE.get("decoded", (m, c), torch.float64, device)  # the sum, rows as in flat
-    own64 = WORKSPACE.get("own64", (max((b - a for a, b in pieces), default=0), c), torch.float64, device)
-    slot64 = WORKSPACE.get("slot64", (m,), torch.float64, device)
+    widest = max((b - a for a, b in pieces), default=0)
+    own64 = WORKSPACE.get("own64", (widest, c), torch.float64, device)
+    groups = slot_groups(c)
+    group_of_last_slot = {stop - 1: (start, stop) for start, stop in groups}
+    slots64 = WORKSPACE.get("slots64", (max(stop - start for start, stop in groups), widest), torch.float64, device)
+    # Observation rounds receive straight into their slot (kept until the slot's group is
+    # folded); rounds before them into two alternating scratch packets.
+    observations = WORKSPACE.get("observations", (c, m), packet, device)
     chain = MaximaChain(ring, device)
     timing = {"encode": 0.0, "decode": 0.0}
     decision: dict[str, bool] = {}
@@ -179,45 +200,63 @@ def run_cerar(
             decision["write"] = accept is None or accept(maxima)
         return decision["write"]
 
+    def encode_next(t: int, a: int, b: int) -> None:
+        """Round ``t``'s increment of the piece, computed while the piece's round ``t - 1`` is on the wire."""
+        began = time.perf_counter()
+        encode_piece(columns[a], rows[t - 1], None, increment[a:b])
+        timing["encode"] += time.perf_counter() - began
+
+    # The critical path of a round's piece: one add (received + increment) and the send.
     def prepare(t: int, a: int, b: int) -> torch.Tensor:
         if t > 1 and a == 0:
             chain.step(t)  # this round's hop of the maxima, beside its first piece
-        began = time.perf_counter()
         out = send[t % 2, a:b]
-        into = encoded[a:b] if widen else out
-        encode_piece(columns[a], rows[t - 1], recv[(t - 1) % 2, a:b] if t > 1 else None, into)
-        if widen:
-            out.copy_(into)
-        timing["encode"] += time.perf_counter() - began
+        if t == 1:
+            encode_next(1, a, b)
+            out.copy_(increment[a:b])
+        elif widen:
+            into = encoded[a:b]
+            torch.add(increment[a:b], target(t - 1, a, b), out=into)
+            out.copy_(into)  # rounded once to the packet dtype
+        else:
+            torch.add(target(t - 1, a, b), increment[a:b], out=out)
         return out
 
     def target(t: int, a: int, b: int) -> torch.Tensor:
-        return recv[t % 2, a:b]
+        slot = t - first_observed
+        return observations[slot, a:b] if slot >= 0 else recv[t % 2, a:b]
 
     def posted(t: int) -> None:
         if t == 1:
             chain.set_own(max_abs(flat))  # one pass over the input, while round 1 is on the wire
+            for a, b in pieces:  # round 2's increments, while round 1 is on the wire
+                if rounds >= 2:
+                    encode_next(2, a, b)
 
-    def received(t: int, a: int, b: int) -> None:
-        slot = t - first_observed
-        if slot < 0:
+    # Off the critical path: round t's piece has landed and round t + 1's is on the wire.
+    def landed(t: int, a: int, b: int) -> None:
+        if t + 2 <= rounds:
+            encode_next(t + 2, a, b)  # round t + 1 has used the buffer: the next one
+        group = group_of_last_slot.get(t - first_observed)
+        if group is None:  # not an observation, or its group is not complete
             return
         began = time.perf_counter()
+        start, stop = group
         acc = total[a:b]
-        arrived = slot64[a:b]
-        arrived.copy_(recv[t % 2, a:b])
+        arrived = slots64[: stop - start, : b - a]
+        arrived.copy_(observations[start:stop, a:b])
         own = None
-        if slot == 0:  # the own part D X starts the accumulator
+        if start == 0:  # the own part D X starts the accumulator
             own = own64[: b - a]
             own.copy_(columns[a])
-        fold_observation(acc, arrived, weights[slot], own, plan.decode_own_t)
+        fold_slots(acc, arrived, weights[start:stop], own, plan.decode_own_t)
         if t == rounds and decide():
             columns[a].copy_(acc)
             if b > full_rows:  # the copied last piece: its values back into flat
                 flat[a * c :].copy_(columns[a].view(-1)[: d - a * c])
         timing["decode"] += time.perf_counter() - began
 
-    run_rounds(ring, stats, rounds, pieces, prepare, target, received, posted)
+    run_rounds(ring, stats, rounds, pieces, prepare, target, posted=posted, landed=landed)
     stats.encode_s += timing["encode"]
     stats.decode_s += timing["decode"]
     stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)

@@ -169,6 +169,7 @@ def run_rounds(
     target: PieceSource,
     received: Callable[[int, int, int], None] | None = None,
     posted: Callable[[int], None] | None = None,
+    landed: Callable[[int, int, int], None] | None = None,
 ) -> None:
     """Run ``rounds`` ring rounds, each cut into the column ranges ``pieces``.
 
@@ -176,8 +177,12 @@ def run_rounds(
     read what arrived in round ``t-1`` for the same piece, which has arrived by then, and must
     write into a buffer that alternates with the round's parity: the engine waits for round
     ``t-2``'s send of the piece before calling it); ``target(t, a, b)`` returns the view to
-    receive into; ``received(t, a, b)`` runs once that piece has arrived; ``posted(t)`` runs
-    once all of round ``t`` is on the wire (compute placed there overlaps the transfers).
+    receive into; ``received(t, a, b)`` runs once that piece has arrived, before the next
+    round's piece is prepared from it (on the critical path: keep it to what ``prepare``
+    needs); ``landed(t, a, b)`` runs after that, once round ``t + 1``'s piece is on the wire
+    (for the last round: once the piece has arrived), so compute placed there overlaps the
+    transfers, and it may still read what arrived in round ``t`` (its buffer is reused only by
+    round ``t + 2``); ``posted(t)`` runs once all of round ``t`` is on the wire.
     """
     recvs: dict[tuple[int, int], dist.Work] = {}
     sends: dict[tuple[int, int], dist.Work] = {}
@@ -195,6 +200,8 @@ def run_rounds(
             recvs[(t, s)], sends[(t, s)] = post_pair(send, recv, ring, t)
             stats.bytes_sent += send.numel() * send.element_size()
             stats.bytes_received += recv.numel() * recv.element_size()
+            if t > 1 and landed is not None:
+                landed(t - 1, a, b)
         stats.rounds += 1
         if posted is not None:
             posted(t)
@@ -202,5 +209,7 @@ def run_rounds(
         wait_for(recvs.pop((rounds, s)), ring, rounds)
         if received is not None:
             received(rounds, a, b)
+        if landed is not None:
+            landed(rounds, a, b)
     for (t, _), work in sorted(sends.items()):
         wait_for(work, ring, t)
