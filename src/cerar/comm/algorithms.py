@@ -142,9 +142,10 @@ def run_cerar(
     1. While round 1 is on the wire, one pass over the input finds its ``max|x|``
        (``inf`` for NaN/Inf); :class:`cerar.comm.handshake.MaximaChain` carries every rank's
        beside rounds ``2 .. N``.
-    2. Each round's pieces are encoded as they are sent, from ``X / scale`` (``scale`` a power
-       of two folded into the increment rows: exact, and free), in ``packet_dtype`` (default
-       ``flat``'s dtype; a 16-bit packet is computed in ``flat``'s dtype and rounded once).
+    2. Each piece's increment is computed a round ahead, from ``X / scale`` (``scale`` a power
+       of two folded into the increment rows: exact, and free); sending the piece adds it to
+       what arrived, in ``packet_dtype`` (default ``flat``'s dtype; a 16-bit packet is computed
+       in ``flat``'s dtype and rounded once).
     3. Observations are folded into a float64 accumulator, a group of slots at a time, times
        ``scale``.
     4. When the last round's piece lands, the chain has long completed: ``accept(maxima)``
