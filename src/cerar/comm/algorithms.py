@@ -47,7 +47,6 @@ class _TorchPlan:
     decode_own_t: torch.Tensor  # (c, c), float64: D^T, so that (m, c) rows @ D^T = (D X)^T
     decode_obs: torch.Tensor  # (c, c), float64: W (column s weights observation slot s)
     first_observed_round: int
-    gain: float  # the code's packet gain G (cerar.coding.scaling), the same on every rank
 
 
 _PLANS: dict[tuple[str, int, str], _TorchPlan] = {}
@@ -64,14 +63,18 @@ def _torch_plan(code: Code, rank: int, device: torch.device) -> _TorchPlan:
             decode_own_t=decode[:, :c].t().contiguous(),
             decode_obs=decode[:, c:].contiguous(),
             first_observed_round=plan.first_observed_round,
-            gain=packet_gain(code),
         )
     return _PLANS[key]
 
 
+_GAINS: dict[str, float] = {}
+
+
 def cerar_packet_gain(code: Code) -> float:
-    """The packet gain ``G`` of ``code`` (cached with its plan)."""
-    return _torch_plan(code, 0, torch.device("cpu")).gain
+    """The packet gain ``G`` of ``code`` (:func:`cerar.coding.scaling.packet_gain`), once per code."""
+    if code.fingerprint not in _GAINS:
+        _GAINS[code.fingerprint] = packet_gain(code)
+    return _GAINS[code.fingerprint]
 
 
 def encode_piece(

@@ -330,7 +330,7 @@ def _cerar_call(
 
         outcome = run_cerar(flat, code, ring, call, accept, scale=scale, packet_dtype=packet)
         largest = max(outcome.maxima)
-        if math.isfinite(largest) and not window.admits(bound * largest, scale):
+        if not outcome.written and math.isfinite(largest):
             # The packets left the format's safe range at this scale (the same finding on every
             # rank, and every input is intact): redo the call at a scale that fits, and keep it.
             scale = window.scale_for(bound * largest)

@@ -3,7 +3,7 @@
 Before its data rounds, every call runs a *handshake*: ``N - 1`` hops of a small fixed-size
 header around the ring, each rank forwarding the element-wise maximum of its own header and the
 one it just received, so that after the last hop every rank holds the maximum over all ranks.
-The header is ``[h, -h, k, -k, max|x|, e, flag_0, ..., flag_{N-1}]``:
+The header is ``[h, -h, k, -k, max|x|, e]``:
 
 * ``h``: a 48-bit hash of the call's settings (code, dtype, size, op, policy). All ranks agree
   iff ``max(h) == -max(-h)``, i.e. the largest hash equals the smallest.
@@ -14,7 +14,6 @@ The header is ``[h, -h, k, -k, max|x|, e, flag_0, ..., flag_{N-1}]``:
   call that has no previous scale to go by (the float16 ring, CERAR's first call of a size).
 * ``e``: the exponent of the packet scale this rank proposes (its previous call's); every rank
   takes the largest, so the scale is the same on every rank even if their histories differ.
-* ``flag_r``: rank ``r``'s input holds NaN/Inf, where the call checks that up front.
 
 A mismatch raises :class:`SettingsMismatchError` on every rank with the same message (each
 rank's settings, gathered around the ring the same way), before any data has moved: no rank
@@ -56,7 +55,7 @@ __all__ = [
 HANDSHAKE_TAG = 0x0CE1
 FLAG_TAG = 0x0CE2
 GATHER_TAG = 0x0CE3
-_FIELDS = 6  # h, -h, k, -k, max|x|, e; then one flag per rank
+_FIELDS = 6  # h, -h, k, -k, max|x|, e
 _TEXT_BYTES = 2048  # one rank's settings summary on the failure path
 
 
@@ -87,7 +86,6 @@ class Agreed(NamedTuple):
     """What the handshake found, the same on every rank."""
 
     max_abs: float  # the largest ``max|x|`` sent
-    flagged: list[int]  # group ranks that sent ``finite=False``
     scale_exponent: int  # the largest exponent proposed
 
 
@@ -99,27 +97,23 @@ def handshake(
     *,
     max_abs: float = 0.0,
     scale_exponent: int = 0,
-    finite: bool | None = None,
     device: torch.device | None = None,
 ) -> Agreed:
     """Run the handshake and return what every rank :class:`Agreed` on.
 
     Raises :class:`SettingsMismatchError` on every rank if the settings hashes or call counts
-    differ. ``finite=None`` sends no flag (the call checks later or not at all).
+    differ. Non-finite inputs are found later, overlapped (:class:`MaximaChain`).
     """
-    own = torch.zeros(_FIELDS + ring.size, dtype=torch.float64)
+    own = torch.zeros(_FIELDS, dtype=torch.float64)
     own[0], own[1], own[2], own[3] = settings, -settings, float(counter), -float(counter)
     own[4], own[5] = max_abs, float(scale_exponent)
-    if finite is False:
-        own[_FIELDS + ring.rank] = 1.0
     total = _max_around(ring, own.to(device or "cpu"), HANDSHAKE_TAG, 0).cpu()
     if total[0] != -total[1] or total[2] != -total[3]:
         texts = gather_text(ring, f"{summary}, call #{counter}", device)
         lines = "; ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
         what = "different settings" if total[0] != -total[1] else "different call counts (a rank skipped a call)"
         raise SettingsMismatchError(f"cerar: ranks called the collective with {what}: {lines}")
-    flagged = [r for r in range(ring.size) if total[_FIELDS + r] > 0]
-    return Agreed(float(total[4]), flagged, int(total[5]))
+    return Agreed(float(total[4]), int(total[5]))
 
 
 def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> list[str]:
