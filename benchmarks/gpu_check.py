@@ -7,11 +7,13 @@ device-to-device copy of the same bytes, and checked against the CPU path.
 One process, no process group: the work a rank does besides moving bytes is the same whatever
 the network. For each message size (MB of float32) and a middle rank (the worst decoder):
 
-* encode: all ``L = c + N - 2`` rounds of the collective's ``encode_piece`` (``received + X f_t``,
-  one ``addmv`` on the ``(m, c)`` rows) over the whole message, 16 pieces per round as the
-  transport cuts a large packet (``cerar.comm.algorithms``);
+* encode: all ``L = c + N - 2`` rounds as the collective computes them: each piece's
+  increments four rounds at a time (``encode_rounds``, one ``(4, c) x (c, w)`` product on the
+  piece's rows), then each round's packet ``received + X f_t`` (one add), 16 pieces per round as
+  the transport cuts a large packet (``cerar.comm.algorithms``);
 * decode: the collective's ``fold_slots`` over its groups of observation slots, in float64
-  (the own part ``X D^T`` with the first group, then one ``addmm`` per group), piece by piece;
+  in the ``(c, w)`` layout (the own part ``D X``, in float32, with the first group, then one ``addmm`` per
+  group), piece by piece;
 * casts: float32 -> float16 -> float32 and float32 -> bfloat16 -> float32 of the whole message;
 * copy: ``dst.copy_(src)`` of the same number of bytes, the floor any of these is measured against.
 
@@ -32,7 +34,15 @@ import time
 import torch
 
 from cerar import codes
-from cerar.comm.algorithms import _torch_plan, encode_piece, fold_slots, slot_groups
+from cerar.comm.algorithms import (
+    ROUNDS_PER_PRODUCT,
+    _torch_plan,
+    encode_rounds,
+    fold_slots,
+    own_part,
+    round_batches,
+    slot_groups,
+)
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -65,20 +75,34 @@ def _pieces(m: int) -> list[tuple[int, int]]:
 
 def _encode(rows_f: torch.Tensor, own: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Every round's packet, piece by piece, as the collective sends them (into ``out[t % 2]``)."""
-    for t in range(rows_f.shape[0]):
+    c, rounds = own.shape[1], rows_f.shape[0]
+    increments = torch.empty(ROUNDS_PER_PRODUCT, own.shape[0], dtype=own.dtype, device=own.device)
+    for first, stop in round_batches(rounds):
+        batch = torch.zeros(ROUNDS_PER_PRODUCT, c, dtype=own.dtype, device=own.device)
+        batch[: stop - first] = rows_f[first - 1 : stop - 1]
         for a, b in _pieces(own.shape[0]):
-            received = out[(t - 1) % 2, a:b] if t else None
-            encode_piece(own[a:b], rows_f[t], received, out[t % 2, a:b])
+            encode_rounds(batch, own[a:b], increments[:, a:b])
+        for t in range(first, stop):
+            for a, b in _pieces(own.shape[0]):
+                increment = increments[t - first, a:b]
+                if t == 1:
+                    out[t % 2, a:b].copy_(increment)
+                else:
+                    torch.add(out[(t - 1) % 2, a:b], increment, out=out[t % 2, a:b])
     return out
 
 
 def _decode(plan, own: torch.Tensor, obs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """The float64 sum from the own rows and the ``c`` observation packets, group by group."""
-    weights = plan.decode_obs.t().contiguous()
+    """The float64 sum ``(c, m)`` from the own rows and the ``c`` observation packets, group by group."""
     for start, stop in slot_groups(obs.shape[0]):
+        weights = plan.decode_obs[:, start:stop].contiguous()
         for a, b in _pieces(own.shape[0]):
-            own64 = own[a:b].double() if start == 0 else None
-            fold_slots(total[a:b], obs[start:stop, a:b].double(), weights[start:stop], own64, plan.decode_own_t)
+            begin = (
+                own_part(plan.decode_own.to(own.dtype), own[a:b], torch.empty_like(own[a:b].t()))
+                if start == 0
+                else None
+            )
+            fold_slots(total[:, a:b], obs[start:stop, a:b].double(), weights, begin)
     return total
 
 
@@ -95,7 +119,7 @@ def check_size(code, rank: int, size_mb: float, iters: int, device: str = "cuda"
     rows_gpu, rows_cpu = plan_gpu.increments.float(), plan_cpu.increments.float()
     own, obs = own_cpu.to(gpu), obs_cpu.to(gpu)
     packets = torch.empty(2, m, device=gpu)
-    total = torch.empty(m, c, dtype=torch.float64, device=gpu)
+    total = torch.empty(c, m, dtype=torch.float64, device=gpu)
     row = {"size_mb": size_mb}
     row["copy_ms"] = _timed(lambda: torch.empty_like(own).copy_(own), iters, gpu)
     row["encode_ms"] = _timed(lambda: _encode(rows_gpu, own, packets), iters, gpu)
@@ -104,7 +128,7 @@ def check_size(code, rank: int, size_mb: float, iters: int, device: str = "cuda"
     row["bf16_cast_ms"] = _timed(lambda: own.to(torch.bfloat16).to(torch.float32), iters, gpu)
     # The same arithmetic on the CPU: the device path must agree with it.
     packets_cpu = _encode(rows_cpu, own_cpu, torch.empty(2, m))
-    decoded_cpu = _decode(plan_cpu, own_cpu, obs_cpu, torch.empty(m, c, dtype=torch.float64))
+    decoded_cpu = _decode(plan_cpu, own_cpu, obs_cpu, torch.empty(c, m, dtype=torch.float64))
     _encode(rows_gpu, own, packets)
     _decode(plan_gpu, own, obs, total)
     row["encode_rel_diff"] = float((packets.cpu() - packets_cpu).norm() / packets_cpu.norm())
