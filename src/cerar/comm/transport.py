@@ -119,22 +119,27 @@ DATA_TAG = 0x0CE0
 def post_pair(
     send: torch.Tensor, recv: torch.Tensor, ring: Ring, round_index: int, tag: int = DATA_TAG
 ) -> tuple[dist.Work, dist.Work]:
-    """Post one piece's receive and send together, as one batch: ``(recv_work, send_work)``.
+    """Post one piece's receive and send together: ``(recv_work, send_work)``.
 
-    NCCL's maintainers advise grouping a ring step's send with the receive it pairs with
-    (``batch_isend_irecv`` runs them under one NCCL group): separate ``isend``/``irecv`` calls
-    create two-rank communicators lazily and can deadlock in a ring. On Gloo, which has no
-    coalescing, the batch is the same two calls (receive first: Gloo's send waits for the
-    peer's receive), so the speed is unchanged.
+    On an accelerator (NCCL) as one batch: NCCL's maintainers advise grouping a ring step's send
+    with the receive it pairs with (``batch_isend_irecv`` runs them under one NCCL group), as
+    separate ``isend``/``irecv`` calls create two-rank communicators lazily and can deadlock in a
+    ring. On the CPU (Gloo, which has no coalescing) ``batch_isend_irecv`` only adds its
+    coalescing manager around the same two calls, and that costs: measured here (4 ranks on 2
+    cores, a ring of 48-byte hops) 0.13-0.20 ms per batch, a hop 0.87-0.90 ms batched against
+    0.49-0.79 ms plain. So CPU tensors take the two plain calls, receive first (Gloo's send
+    waits for the peer's receive).
     """
-    ops = [
-        dist.P2POp(dist.irecv, recv, ring.recv_from, ring.group, tag),
-        dist.P2POp(dist.isend, send, ring.send_to, ring.group, tag),
-    ]
-    # Posting to a pair whose peer has already gone raises at once rather than on wait.
     try:
+        if send.device.type == "cpu":
+            recv_work = dist.irecv(recv, ring.recv_from, ring.group, tag)
+            return recv_work, dist.isend(send, ring.send_to, ring.group, tag)
+        ops = [
+            dist.P2POp(dist.irecv, recv, ring.recv_from, ring.group, tag),
+            dist.P2POp(dist.isend, send, ring.send_to, ring.group, tag),
+        ]
         works = dist.batch_isend_irecv(ops)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # posting to a pair whose peer has gone raises at once, not on wait
         raise _ring_error(ring, round_index, exc) from exc
     if len(works) == 1:  # NCCL may return one handle for the coalesced batch: it covers both
         return works[0], works[0]
