@@ -8,8 +8,8 @@ One process, no process group: the work a rank does besides moving bytes is the 
 the network. For each message size (MB of float32) and a middle rank (the worst decoder):
 
 * encode: all ``L = c + N - 2`` rounds as the collective computes them: each piece's
-  increments four rounds at a time (``encode_rounds``, one ``(4, c) x (c, w)`` product on the
-  piece's rows), then each round's packet ``received + X f_t`` (one add), 16 pieces per round as
+  increments ``max(4, c / 2)`` rounds at a time (``encode_rounds``, one ``(B, c) x (c, w)``
+  product on the piece's rows), then each round's packet ``received + X f_t`` (one add), 16 pieces per round as
   the transport cuts a large packet (``cerar.comm.algorithms``);
 * decode: the collective's ``fold_slots`` over its groups of observation slots, in float64
   in the ``(c, w)`` layout (the own part ``D X``, in float32, with the first group, then one ``addmm`` per
@@ -35,12 +35,12 @@ import torch
 
 from cerar import codes
 from cerar.comm.algorithms import (
-    ROUNDS_PER_PRODUCT,
     _torch_plan,
     encode_rounds,
     fold_slots,
     own_part,
     round_batches,
+    rounds_per_product,
     slot_groups,
 )
 
@@ -76,9 +76,10 @@ def _pieces(m: int) -> list[tuple[int, int]]:
 def _encode(rows_f: torch.Tensor, own: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Every round's packet, piece by piece, as the collective sends them (into ``out[t % 2]``)."""
     c, rounds = own.shape[1], rows_f.shape[0]
-    increments = torch.empty(ROUNDS_PER_PRODUCT, own.shape[0], dtype=own.dtype, device=own.device)
-    for first, stop in round_batches(rounds):
-        batch = torch.zeros(ROUNDS_PER_PRODUCT, c, dtype=own.dtype, device=own.device)
+    per_product = rounds_per_product(c)
+    increments = torch.empty(per_product, own.shape[0], dtype=own.dtype, device=own.device)
+    for first, stop in round_batches(rounds, per_product):
+        batch = torch.zeros(per_product, c, dtype=own.dtype, device=own.device)
         batch[: stop - first] = rows_f[first - 1 : stop - 1]
         for a, b in _pieces(own.shape[0]):
             encode_rounds(batch, own[a:b], increments[:, a:b])

@@ -12,8 +12,8 @@
 CERAR's CPU work is spread over the rounds, piece by piece, and kept off the critical path (it
 runs in the engine's ``landed`` hook, once the piece's next round is on the wire):
 
-* encode: a piece's increments (``X f_t``) are computed four rounds at a time, one
-  ``(4, c) x (c, w)`` product on the piece's rows (:func:`encode_rounds`; MKL runs it about four
+* encode: a piece's increments (``X f_t``) are computed ``B = max(4, c / 2)`` rounds at a time,
+  one ``(B, c) x (c, w)`` product on the piece's rows (:func:`encode_rounds`; MKL runs it about four
   times faster per round than a matrix-vector product per round), a batch ahead of the rounds
   that send them, so sending a piece costs one add (received piece + increment);
 * decode: ``S_hat = D X + W R`` is accumulated in float64, in the ``(c, w)`` layout of the
@@ -80,22 +80,24 @@ def cerar_packet_gain(code: Code) -> float:
     return _GAINS[code.fingerprint]
 
 
-#: Rounds whose increments one product computes. MKL picks a much faster kernel for a
-#: ``(B, c) x (c, w)`` product from ``B = 4`` rows on (one thread, 4 M values, c = 8: 3.3 ms per
-#: round at B = 1..3, 0.8 at B = 4), so a batch of four costs what one round did.
-ROUNDS_PER_PRODUCT = 4
+def rounds_per_product(components: int) -> int:
+    """Rounds whose increments one product computes: ``max(4, c // 2)``. MKL picks a much faster
+    kernel for a ``(B, c) x (c, w)`` product from ``B = 4`` rows on (one thread, 4 M values,
+    c = 8: 3.3 ms per round at B = 1..3, 0.8 at B = 4; c = 16: 2.6, 0.97 at B = 4, 0.69 at
+    B = 8), so a batch of four costs what one round did; wider codes take ``c / 2`` rows (fewer
+    passes over the input) for the same memory, half the input's size."""
+    return max(4, components // 2)
 
 
-def round_batches(rounds: int) -> list[tuple[int, int]]:
-    """The rounds ``[first, stop)`` whose increments are computed together, in batches of
-    :data:`ROUNDS_PER_PRODUCT` (the last may be shorter; it is computed padded)."""
-    step = ROUNDS_PER_PRODUCT
-    return [(first, min(first + step, rounds + 1)) for first in range(1, rounds + 1, step)]
+def round_batches(rounds: int, per_product: int) -> list[tuple[int, int]]:
+    """The rounds ``[first, stop)`` whose increments are computed together, ``per_product`` at
+    a time (the last batch may be shorter; it is computed padded)."""
+    return [(first, min(first + per_product, rounds + 1)) for first in range(1, rounds + 1, per_product)]
 
 
 def encode_rounds(rows: torch.Tensor, piece: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """A batch of rounds' increments of one piece: ``out = rows @ piece^T`` (``rows`` the
-    batch's ``(B, c)`` increment rows, zero padded to :data:`ROUNDS_PER_PRODUCT`; ``piece`` the
+    batch's ``(B, c)`` increment rows, zero padded to :func:`rounds_per_product`; ``piece`` the
     piece's ``(w, c)`` values; ``out`` ``(B, w)``, row ``r`` the batch's ``r``-th round)."""
     return torch.mm(rows, piece.t(), out=out)
 
@@ -167,7 +169,7 @@ def run_cerar(
     1. While round 1 is on the wire, one pass over the input finds its ``max|x|``
        (``inf`` for NaN/Inf); :class:`cerar.comm.handshake.MaximaChain` carries every rank's
        beside rounds ``2 .. N``.
-    2. Each piece's increments are computed four rounds at a time, a batch ahead, from
+    2. Each piece's increments are computed ``max(4, c / 2)`` rounds at a time, a batch ahead, from
        ``X / scale`` (``scale`` a power of two folded into the increment rows: exact, and
        free); sending the piece adds its round's increment to
        what arrived, in ``packet_dtype`` (default ``flat``'s dtype; a 16-bit packet is computed
@@ -187,10 +189,11 @@ def run_cerar(
     plan = _torch_plan(code, ring.rank, device)
     rounds = plan.increments.shape[0]
     first_observed = plan.first_observed_round
-    batches = round_batches(rounds)
+    per_product = rounds_per_product(c)
+    batches = round_batches(rounds, per_product)
     batch_rows = []  # each batch's increment rows, divided by scale (exact: a power of two), padded
     for first, stop in batches:
-        padded_rows = torch.zeros(ROUNDS_PER_PRODUCT, c, dtype=torch.float64, device=device)
+        padded_rows = torch.zeros(per_product, c, dtype=torch.float64, device=device)
         padded_rows[: stop - first] = plan.increments[first - 1 : stop - 1] / scale
         batch_rows.append(padded_rows.to(dtype))
     batch_of = {t: (j, t - first) for j, (first, stop) in enumerate(batches) for t in range(first, stop)}
@@ -205,7 +208,7 @@ def run_cerar(
     columns: dict[int, torch.Tensor] = {}
     increments: dict[int, torch.Tensor] = {}
     totals: dict[int, torch.Tensor] = {}
-    increment_flat = WORKSPACE.get("increments", (ROUNDS_PER_PRODUCT * m,), dtype, device)
+    increment_flat = WORKSPACE.get("increments", (per_product * m,), dtype, device)
     total_flat = WORKSPACE.get("decoded", (c * m,), torch.float64, device)
     for a, b in pieces:
         if b <= full_rows:
@@ -215,7 +218,7 @@ def run_cerar(
             padded.view(-1)[: d - a * c].copy_(flat[a * c :])
             padded.view(-1)[d - a * c :].zero_()
             columns[a] = padded
-        increments[a] = increment_flat[ROUNDS_PER_PRODUCT * a : ROUNDS_PER_PRODUCT * b].view(ROUNDS_PER_PRODUCT, b - a)
+        increments[a] = increment_flat[per_product * a : per_product * b].view(per_product, b - a)
         totals[a] = total_flat[c * a : c * b].view(c, b - a)
 
     send = WORKSPACE.get("send", (2, m), packet, device)
