@@ -13,6 +13,7 @@ import cerar
 from cerar.coding import codes
 from cerar.comm import handshake
 from cerar.comm.stats import CommStats
+from cerar.comm.transport import Ring
 from multirank import RankFailure, check, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -146,6 +147,31 @@ def _maxima_chain_worker(rank: int, world: int) -> list[float]:
 def test_maxima_chain_gives_every_rank_every_maximum() -> None:
     for maxima in check(run_ranks(_maxima_chain_worker, 5, timeout=60)):
         assert maxima == [1.0, float("inf"), 3.0, float("inf"), 5.0]
+
+
+def _handshake_maximum_worker(rank: int, world: int) -> tuple[float, int, int]:
+    """Each rank proposes its own max|x| and scale exponent; every rank must agree on the largest."""
+    ring = Ring.of(None)
+    agreed = handshake.handshake(ring, 7.0, 1, "settings", max_abs=float(10 + rank), scale_exponent=-rank)
+    return agreed.max_abs, agreed.scale_exponent, len(handshake.dissemination_distances(world))
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 6])
+def test_the_handshake_hops_give_every_rank_the_maximum(world: int) -> None:
+    # Dissemination hops (1, 2, 4, ...): every rank hears from every rank, also when N is not a
+    # power of two, in ceil(log2 N) hops instead of the ring's N - 1.
+    hops = (world - 1).bit_length()
+    assert check(run_ranks(_handshake_maximum_worker, world, timeout=60)) == [(float(9 + world), 0, hops)] * world
+
+
+def test_dissemination_distances_cover_every_rank() -> None:
+    for size in range(1, 40):
+        distances = handshake.dissemination_distances(size)
+        assert len(distances) == (size - 1).bit_length()
+        heard = [{r} for r in range(size)]  # whom each rank has heard from, directly or not
+        for distance in distances:
+            heard = [heard[r] | heard[(r - distance) % size] for r in range(size)]
+        assert all(h == set(range(size)) for h in heard), size
 
 
 def _no_collective_worker(rank: int, world: int) -> int:

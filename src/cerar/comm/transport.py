@@ -11,6 +11,7 @@ the peer's receive). Device-agnostic: CPU tensors on Gloo, CUDA tensors on NCCL.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -64,6 +65,17 @@ class Ring:
     size: int
     send_to: int  # global rank of rank + 1
     recv_from: int  # global rank of rank - 1
+    peers: tuple[int, ...] = ()  # global rank of every position (empty: only the neighbours are known)
+
+    def at_distance(self, distance: int) -> Ring:
+        """This ring with the ranks ``distance`` positions ahead and behind as the neighbours
+        (for :mod:`cerar.comm.handshake`'s dissemination hops); needs ``peers``."""
+        if distance % self.size == 1 % self.size:
+            return self
+        if len(self.peers) != self.size:
+            raise ValueError(f"Argument 'distance' other than 1 needs the ring's peers, not {distance!r} on {self!r}.")
+        ahead, behind = self.peers[(self.rank + distance) % self.size], self.peers[(self.rank - distance) % self.size]
+        return dataclasses.replace(self, send_to=ahead, recv_from=behind)
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None) -> Ring | None:
@@ -76,7 +88,8 @@ class Ring:
         def to_global(r: int) -> int:
             return r if group is None else dist.get_global_rank(group, r)
 
-        return cls(group, rank, size, to_global((rank + 1) % size), to_global((rank - 1) % size))
+        peers = tuple(to_global(r) for r in range(size))
+        return cls(group, rank, size, peers[(rank + 1) % size], peers[(rank - 1) % size], peers)
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> Any:
