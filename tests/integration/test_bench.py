@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from processes import alive
 
 from cerar.cli import build_parser
 from cerar.cli.bench import config_from_args
@@ -465,14 +466,6 @@ def test_quick_slow_smoke_leaves_nothing(tmp_path: Path) -> None:
     assert netem.leftovers(str(pid)) == {"namespaces": [], "links": [], "processes": []}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.netns
@@ -532,9 +525,9 @@ def test_slow_bench_with_a_killed_rank_leaves_nothing(tmp_path: Path) -> None:
     assert "FAILED" in out
     assert netem.leftovers(str(bench.pid)) == {"namespaces": [], "links": [], "processes": []}
     end = time.monotonic() + 10
-    while time.monotonic() < end and any(_alive(p) for p in pids):
+    while time.monotonic() < end and any(alive(p) for p in pids):
         time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
 
 
 def _is_python(pid: int) -> bool:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import alive
 
 from cerar.harness import netem
 from cerar.harness.launch import LaunchError, launch
@@ -58,14 +59,6 @@ SLEEPER = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _pids(d: Path, world_size: int, timeout: float = 60.0) -> list[tuple[int, int, str]]:
     """(rank pid, grandchild pid, run id) per rank, once every rank has written them."""
     end = time.monotonic() + timeout
@@ -83,9 +76,9 @@ def _pids(d: Path, world_size: int, timeout: float = 60.0) -> list[tuple[int, in
 
 def _assert_gone(pids: list[tuple[int, int, str]], run_id: str | None = None) -> None:
     end = time.monotonic() + 10
-    while time.monotonic() < end and any(_alive(p) for rank in pids for p in rank[:2]):
+    while time.monotonic() < end and any(alive(p) for rank in pids for p in rank[:2]):
         time.sleep(0.05)
-    assert not [p for rank in pids for p in rank[:2] if _alive(p)]
+    assert not [p for rank in pids for p in rank[:2] if alive(p)]
     if run_id:
         assert netem.leftovers(run_id) == {"namespaces": [], "links": [], "processes": []}
 
@@ -310,9 +303,9 @@ def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path, regime: str) -
         launcher.kill()  # no cleanup code runs: the kernel's parent-death signal must do it
         launcher.wait(timeout=30)
         end = time.monotonic() + 10
-        while time.monotonic() < end and any(_alive(rank) for rank, _, _ in pids):
+        while time.monotonic() < end and any(alive(rank) for rank, _, _ in pids):
             time.sleep(0.05)
-        assert not [rank for rank, _, _ in pids if _alive(rank)]
+        assert not [rank for rank, _, _ in pids if alive(rank)]
         if regime == "slow":
             # the namespaces outlive a SIGKILLed launcher; the next run (or --cleanup) removes them
             assert netem.leftovers(str(launcher.pid))["namespaces"]

@@ -8,23 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from processes import alive
 
 from cerar.harness import netem
 
 needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None, reason=str(netem.unavailable_reason()))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0): count it as dead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize(
@@ -169,7 +157,7 @@ def test_delay_builds_or_fails_cleanly() -> None:
 def test_cleanup_stale_removes_dead_runs_only() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    if _alive(dead.pid):  # pid reused already: nothing to test with this pid
+    if alive(dead.pid):  # pid reused already: nothing to test with this pid
         pytest.skip("pid reused")
     stale = f"cerar-{dead.pid}-abcd-hub"
     live = f"cerar-{os.getpid()}-abcd-hub"  # this test process is alive: must be kept

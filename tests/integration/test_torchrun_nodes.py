@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from processes import alive
 
 import cerar
 from cerar.harness import netem
@@ -49,14 +50,6 @@ def _example() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,9 +240,9 @@ def test_torchrun_nodes_killed_rank_fails_and_cleans_up(tmp_path: Path, regime: 
     assert time.monotonic() - started < TIMEOUT_S / 2
     end = time.monotonic() + 10
     pids = [pid for rank in killed for pid in rank[:2]]  # every rank and every agent
-    while time.monotonic() < end and any(_alive(p) for p in pids):
+    while time.monotonic() < end and any(alive(p) for p in pids):
         time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
     if regime == "slow":
         run_id = killed[0][2]
         assert run_id and netem.leftovers(run_id) == {"namespaces": [], "links": [], "processes": []}
@@ -317,8 +310,8 @@ def test_torchrun_nodes_sigterm_to_launcher_cleans_up(tmp_path: Path, regime: st
     assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
     every = [pid for rank in pids for pid in rank[:2]]
     end = time.monotonic() + 10
-    while time.monotonic() < end and any(_alive(p) for p in every):
+    while time.monotonic() < end and any(alive(p) for p in every):
         time.sleep(0.05)
-    assert not [p for p in every if _alive(p)]
+    assert not [p for p in every if alive(p)]
     if regime == "slow":
         assert netem.leftovers(pids[0][2]) == {"namespaces": [], "links": [], "processes": []}
