@@ -175,12 +175,16 @@ def _mismatch_worker(rank: int, world: int, kind: str) -> str:
         cerar.all_reduce(x, code=codes.perturbed(world, 8, 0.1000001 if rank == 2 else 0.1))
     elif kind == "size":
         cerar.all_reduce(torch.randn(1000 + rank), code=codes.perturbed(world, 8))
+    elif kind == "16-bit dtypes":  # one float32 working copy, but no meaningful sum
+        cerar.all_reduce(x.half() if rank == 0 else x.bfloat16(), code=codes.perturbed(world, 2 * world))
+    elif kind == "16-bit dtypes, ring":
+        cerar.ring_all_reduce(x.half() if rank == world - 1 else x.bfloat16())
     else:
         cerar.all_reduce(x.double() if rank == 0 else x, code=codes.perturbed(world, 8))
     return "no error"
 
 
-@pytest.mark.parametrize("kind", ["code", "delta", "size", "dtype"])
+@pytest.mark.parametrize("kind", ["code", "delta", "size", "dtype", "16-bit dtypes", "16-bit dtypes, ring"])
 def test_mismatched_settings_raise_on_every_rank(kind: str) -> None:
     results = run_ranks(_mismatch_worker, 4, kind, timeout=60, pg_timeout=20)
     messages = set()
@@ -193,6 +197,15 @@ def test_mismatched_settings_raise_on_every_rank(kind: str) -> None:
     if kind == "delta":  # each rank's field at full precision
         assert "rank 2: perturbed(N=4, c=8, delta=0.1000001" in message
         assert "rank 1: perturbed(N=4, c=8, delta=0.1," in message
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_a_float16_and_a_bfloat16_tensor_raise_on_every_rank(world: int) -> None:
+    results = run_ranks(_mismatch_worker, world, "16-bit dtypes", timeout=60, pg_timeout=20)
+    assert all(isinstance(r, RankFailure) and r.type_name == "SettingsMismatchError" for r in results), results
+    message = results[0].message
+    assert len({r.message for r in results}) == 1
+    assert "values torch.float16" in message and "values torch.bfloat16" in message, message
 
 
 def _unusable_code_worker(rank: int, world: int) -> tuple[str, bool]:

@@ -91,9 +91,10 @@ def _scale_disagreement_worker(rank: int, world: int) -> tuple[float, bool]:
     x = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
     exact = _gather(x).double().sum(0)
     if rank == 2:
+        from cerar.comm.groups import group_state
+
         ring = collective._ring(None)
-        key = (collective._group_key(None), ring.send_to, ring.recv_from, x.numel(), "fp32")
-        collective._SCALE_EXPONENTS[key] = 40
+        group_state(None).scale_exponents[(ring.send_to, ring.recv_from, x.numel(), "fp32")] = 40
     cerar.all_reduce(x, code=codes.perturbed(world, 2 * world))
     return float((x.double() - exact).norm() / exact.norm()), bool(torch.isfinite(x).all())
 

@@ -6,7 +6,6 @@ to 8 mantissa bits with round-to-nearest-even, exactly what a cast to ``torch.bf
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -82,16 +81,3 @@ def rounder(precision: str) -> Callable[[np.ndarray], np.ndarray]:
         # differs from torch in about 1 value in 10^4).
         return lambda x: np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
     return lambda x: _round_bf16(np.asarray(x, dtype=np.float32))
-
-
-FLOAT16_HEADROOM_EXPONENT = 14  # partial sums stay below 2**14, far from float16's 65504
-
-
-def float16_scale(world_size: int, max_abs: float) -> float:
-    """The power of two a float16 ring divides by so that sums of ``world_size`` values of
-    magnitude up to ``max_abs`` stay near ``2**14``: no overflow (65504) and no subnormals.
-    Dividing by a power of two is exact, so the scaling itself adds no error."""
-    if not math.isfinite(max_abs) or max_abs <= 0:
-        return 1.0
-    exponent = math.ceil(math.log2(world_size * max_abs)) - FLOAT16_HEADROOM_EXPONENT
-    return math.ldexp(1.0, exponent)

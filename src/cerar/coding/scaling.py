@@ -1,17 +1,30 @@
-"""Exact power-of-two scaling of CERAR's packets: no overflow, no subnormals.
+"""Exact power-of-two scaling of CERAR's packets, for every finite input of every dtype.
 
 A packet is a sum of at most ``N`` injections, each a row of the code times one rank's
-components, so its magnitude is at most ``N * G * M``: ``M`` the largest input magnitude over
-all ranks and ``G`` the code's *packet gain*, the largest 1-norm of a round's increment row
-(:func:`packet_gain`). The transport divides its injections by a power of two ``s`` (folded into
-the increment rows, so it costs nothing and is exact) and multiplies the observations back in
-the decoder. :class:`PacketRange` says which ``s`` keep ``N G M / s`` inside the packet format:
-far enough below its overflow, and high enough that the largest values are not near its
-subnormals. For float32 packets the window is wide (``2**-50 .. 2**100``), so ``s = 1`` serves
-every ordinary gradient and only inputs near ``1e38`` or below ``1e-30`` are rescaled; float16's
-is five binades, so its scale follows the data.
+components, so its magnitude is at most ``N G M``: ``M`` the largest input magnitude over all
+ranks and ``G`` the code's *packet gain*, the largest 1-norm of an injection row
+(:func:`packet_gain`). Its *level* is ``P = log2(N G M) - e`` when the injections are divided by
+``s = 2**e``. A call picks ``e`` so that ``P`` lies in its :class:`ScaleWindow`:
 
-Pure numpy (no torch).
+* below the packet format's overflow, and far enough above its subnormals that the largest
+  values keep their precision (30% of the format's exponent range, at least 24 binades);
+* low enough that the decode does not overflow either: the own part ``D X / s`` is computed in
+  the data's dtype and the observations' part ``W R`` in float64, and the decoder's entries reach
+  ``H`` (its *decode gain*, up to ``2**42`` for the float64 designs), so ``P`` stays ``log2 H``
+  below those dtypes' tops.
+
+Dividing by ``s`` is exact and usually free: ``s`` is folded into the increment rows and the
+decoder (``s_rows = 2**r``). The rows are numbers of the data's dtype and the decoder's weights of
+float64, so ``r`` has limits of its own (:meth:`ScaleWindow.split`); past them, for inputs near the
+ends of the data's range (float32 data near ``1e38`` or ``1e-38`` with float16 packets, float64
+data near ``1e308`` or its subnormals), the remaining factor ``s_data = 2**(e - r)`` scales a copy
+of the input (exact, one pass) and multiplies the float64 sum before it is written.
+
+For float32 and bfloat16 packets the window is wide, so ``s = 1`` serves every ordinary
+gradient; float16's is a few binades, so its scale follows the data (``target``).
+
+Pure numpy and ``math`` on integers and logarithms of positive finite floats (no torch): no call
+here can overflow or fail on an extreme input.
 """
 
 from __future__ import annotations
@@ -24,59 +37,178 @@ import numpy as np
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name
 
+__all__ = [
+    "FORMATS",
+    "FloatFormat",
+    "ScaleWindow",
+    "packet_gain",
+    "ring_needs_scale",
+    "ring_scale_exponent",
+    "scale_window",
+]
+
 
 @dataclass(frozen=True)
-class PacketRange:
-    """Where ``log2(N G M / s)`` may lie for one packet precision.
+class FloatFormat:
+    """The exponent range of a binary floating-point format: its largest finite values lie below
+    ``2**top``, its smallest normal is ``2**tiny``, with ``bits`` significand bits."""
 
-    Attributes:
-        bottom, top: the window of ``log2(N G M / s)``; outside it a call is redone with a new ``s``.
-        target: where a new scale puts it (``None``: as close to ``s = 1`` as the window allows,
-            so that ordinary data is never rescaled).
-        coefficient_limit: ``|log2 s|`` at most this: the increment rows times ``1/s`` must stay
-            normal numbers of the dtype the injections are computed in.
-    """
-
-    bottom: int
     top: int
-    target: int | None
-    coefficient_limit: int
+    tiny: int
+    bits: int
 
-    def admits(self, bound: float, scale: float) -> bool:
-        """Whether packets bounded by ``bound = N G M`` fit the format when divided by ``scale``."""
-        if bound == 0.0:
-            return True
-        if not math.isfinite(bound):
-            return False
-        return self.bottom <= math.log2(bound / scale) <= self.top
-
-    def scale_for(self, bound: float) -> float:
-        """The power of two to divide by for packets bounded by ``bound`` (1 when ``bound`` is
-        0 or not finite: there is nothing to scale, or the call will not decode)."""
-        if bound <= 0.0 or not math.isfinite(bound):
-            return 1.0
-        level = math.log2(bound)
-        if self.target is not None:
-            exponent = math.ceil(level) - self.target
-        else:  # the exponent closest to 0 that puts ``level - exponent`` inside [bottom, top]
-            exponent = min(max(0, math.ceil(level - self.top)), math.floor(level - self.bottom))
-        exponent = max(-self.coefficient_limit, min(self.coefficient_limit, exponent))
-        return math.ldexp(1.0, exponent)
+    @property
+    def span(self) -> int:
+        return self.top - self.tiny
 
 
-#: Per packet precision. bfloat16 has float32's exponent range; float16 overflows at 65504
-#: (``2**16``) and its subnormals start at ``2**-14``: its packets are kept between ``2**10``
-#: and ``2**15``, a new scale putting them at ``2**13`` (two binades of headroom for growth).
-PACKET_RANGES: dict[str, PacketRange] = {
-    "fp64": PacketRange(bottom=-900, top=1000, target=None, coefficient_limit=1000),
-    "fp32": PacketRange(bottom=-50, top=100, target=None, coefficient_limit=100),
-    "bf16": PacketRange(bottom=-50, top=100, target=None, coefficient_limit=100),
-    "fp16": PacketRange(bottom=10, top=15, target=13, coefficient_limit=100),
+FORMATS: dict[str, FloatFormat] = {
+    "fp64": FloatFormat(top=1024, tiny=-1022, bits=53),
+    "fp32": FloatFormat(top=128, tiny=-126, bits=24),
+    "bf16": FloatFormat(top=128, tiny=-126, bits=8),
+    "fp16": FloatFormat(top=16, tiny=-14, bits=11),
 }
 
+_HEADROOM = 4  # binades kept below a dtype's overflow for what the bounds leave out (rounding, sums)
+_NARROW_SPAN = 64  # a packet format with fewer binades follows the data (a target level)
+_GROWTH = 2  # binades between a narrow format's target and its top: room for the data to grow
+_FOLD_ROOM = 32  # binades of scale the decoder's weights can take before the input is copied
 
-def packet_range(precision: object) -> PacketRange:
-    return PACKET_RANGES[precision_name(precision, "packet_dtype")]
+
+@dataclass(frozen=True)
+class ScaleWindow:
+    """Where a call's packet level may lie, and how its scale is split, for one (code, data
+    dtype, packet dtype).
+
+    Attributes:
+        bottom, top: the window of the packet level ``P = log2(N G M) - e``; a call whose data
+            put it outside is redone with a new ``e``.
+        target: the level a new ``e`` puts ``P`` at (``None``: the ``e`` closest to 0 inside
+            the window, so that ordinary data is never rescaled).
+        log_gain: ``log2(N G)``.
+        rows_low, rows_high: the range of ``r``, the part of ``e`` folded into the rows and the
+            decoder (see :meth:`split`).
+    """
+
+    bottom: float
+    top: float
+    target: float | None
+    log_gain: float
+    rows_low: int
+    rows_high: int
+
+    def level(self, max_abs: float) -> float | None:
+        """``log2(N G max_abs)``, or None for 0 (nothing to scale); ``max_abs`` finite, >= 0."""
+        return None if max_abs <= 0.0 else math.log2(max_abs) + self.log_gain
+
+    def admits(self, max_abs: float, exponent: int) -> bool:
+        """Whether inputs of largest magnitude ``max_abs`` fit the window at ``s = 2**exponent``
+        (False for NaN/Inf)."""
+        if not math.isfinite(max_abs):
+            return False
+        level = self.level(max_abs)
+        return level is None or self.bottom <= level - exponent <= self.top
+
+    def exponent_for(self, max_abs: float) -> int:
+        """The ``e`` for inputs of largest magnitude ``max_abs`` (0 when it is 0 or not finite:
+        nothing to scale, or the call will not decode)."""
+        if not math.isfinite(max_abs):
+            return 0
+        level = self.level(max_abs)
+        if level is None:
+            return 0
+        if self.target is not None:
+            return math.ceil(level - self.target)
+        # The exponent closest to 0 that puts ``level - e`` inside [bottom, top].
+        return min(max(0, math.ceil(level - self.top)), math.floor(level - self.bottom))
+
+    def split(self, exponent: int) -> tuple[int, int]:
+        """``(r, e - r)``: the part of ``e`` folded into the rows and the decoder (as close to
+        ``e`` as their dtypes allow), and the rest, which scales a copy of the input (0 for every
+        input but those near the ends of its dtype's range)."""
+        rows = min(max(exponent, self.rows_low), self.rows_high)
+        return rows, exponent - rows
+
+
+def scale_window(code: Code, data: object, packet: object, decode_gain: float) -> ScaleWindow:
+    """The :class:`ScaleWindow` of ``code`` for data of precision ``data`` (the working dtype:
+    ``fp32`` or ``fp64``) and packets of precision ``packet``. ``decode_gain`` is ``H``, the
+    largest row 1-norm of the decode matrix over every rank
+    (:meth:`cerar.protocol.schedule.Schedule.decode_gain`), so that every rank builds the same
+    window and decides the same.
+
+    Raises ValueError if no scale can serve the code in these dtypes (a decoder so large that
+    its products overflow the data's dtype at every packet level the format admits).
+    """
+    data_name, packet_name = precision_name(data, "data"), precision_name(packet, "packet_dtype")
+    values, wire, wide = FORMATS[data_name], FORMATS[packet_name], FORMATS["fp64"]
+    log_gain = math.log2(code.world_size * packet_gain(code))
+    log_decode = math.log2(max(decode_gain, 1.0))
+    log_rows = math.log2(2 * packet_gain(code))  # an increment row is a difference of two injection rows
+    span_kept = max(24, math.floor(0.3 * wire.span))
+    bottom = float(wire.tiny + span_kept)
+    top = min(
+        float(wire.top - 1),  # the packets themselves (N G M bounds them)
+        values.top - _HEADROOM - log_decode + log_gain,  # D X / s in the data's dtype
+        wide.top - _HEADROOM - log_decode - _FOLD_ROOM,  # W R in float64, with room for r
+    )
+    if top < bottom + 1:
+        raise ValueError(
+            f"cerar: {code.construction}(N={code.world_size}, c={code.components}) cannot be scaled for "
+            f"{data_name} data with {packet_name} packets: its decoder's entries reach 2**{log_decode:.0f}, "
+            f"which leaves no packet level between 2**{bottom:.0f} and 2**{top:.0f}."
+        )
+    target = top - _GROWTH if wire.span < _NARROW_SPAN else None
+    # r's limits: the rows and D / 2**r are numbers of the data's dtype whose largest entries stay
+    # normal; W 2**r is float64, and times packets up to 2**top it must not overflow; the input
+    # copy X / 2**(e - r) must stay in the data's dtype (packets at the top: X up to 2**(top - log_gain + r)).
+    rows_low = math.ceil(max(log_rows, log_decode) - (values.top - _HEADROOM))
+    rows_high = math.floor(
+        min(
+            log_rows - (values.tiny + values.bits),
+            -(values.tiny + values.bits),  # D's entries of order 1
+            wide.top - _HEADROOM - log_decode - top,
+            values.top - _HEADROOM - top + log_gain,
+        )
+    )
+    # W 2**r stays normal, and so does the float64 sum (about 2**(P - log_gain + r)): its
+    # products cancel down from 2**(P + r + log_decode), and subnormals would drop those bits.
+    rows_low = max(rows_low, math.ceil(wide.tiny + wide.bits - log_decode), math.ceil(wide.tiny + log_gain - bottom))
+    if rows_low > rows_high:
+        raise ValueError(
+            f"cerar: {code.construction}(N={code.world_size}, c={code.components}) cannot be scaled for "
+            f"{data_name} data with {packet_name} packets (no room for its rows: 2**{rows_low} .. 2**{rows_high})."
+        )
+    return ScaleWindow(bottom, top, target, log_gain, rows_low, rows_high)
+
+
+def ring_scale_exponent(world_size: int, max_abs: float, data: object, wire: object) -> int:
+    """``e`` such that the exact ring, dividing by ``2**e``, keeps partial sums of ``world_size``
+    values of magnitude up to ``max_abs`` inside the ``wire`` format: float16 puts them near
+    ``2**14`` (no overflow at 65504, no subnormals); the data's own format needs nothing; any
+    other (bfloat16 for float32 data, float32 or bfloat16 for float64 data) takes the exponent
+    closest to 0 that keeps them out of its overflow and at least 30% of its exponent range above
+    its subnormals. 0 for 0 or non-finite ``max_abs`` (nothing to scale; NaN/Inf propagate as in
+    torch). Returned as an exponent: ``2**e`` itself may not be a float64."""
+    if not ring_needs_scale(data, wire) or not math.isfinite(max_abs) or max_abs <= 0:
+        return 0
+    level = math.log2(max_abs) + math.log2(world_size)
+    if precision_name(wire, "wire_dtype") == "fp16":
+        return math.ceil(level) - FLOAT16_RING_LEVEL
+    wire_format = FORMATS[precision_name(wire, "wire_dtype")]
+    top = wire_format.top - _HEADROOM
+    bottom = wire_format.tiny + max(24, math.floor(0.3 * wire_format.span))
+    return min(max(0, math.ceil(level - top)), math.floor(level - bottom))
+
+
+def ring_needs_scale(data: object, wire: object) -> bool:
+    """Whether the exact ring must scale ``data`` for ``wire``: whenever the wire is not the data's
+    own format (a cast to bfloat16 flushes float32's subnormals to zero, and float64 data leaves
+    float32's range), so such a call first finds its largest magnitude (one pass)."""
+    return precision_name(wire, "wire_dtype") != precision_name(data, "data")
+
+
+FLOAT16_RING_LEVEL = 14  # the float16 ring's partial sums stay below 2**14, far from 65504
 
 
 def packet_gain(code: Code) -> float:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from cerar.coding.code import Code
-from cerar.coding.scaling import packet_gain
+from cerar.coding.precision import precision_name
+from cerar.coding.scaling import ScaleWindow, scale_window
 from cerar.comm.handshake import MaximaChain, max_abs
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Ring, run_rounds, segments
@@ -70,14 +71,17 @@ def _torch_plan(code: Code, rank: int, device: torch.device) -> _TorchPlan:
     return _PLANS[key]
 
 
-_GAINS: dict[str, float] = {}
+_WINDOWS: dict[tuple[str, str, str], ScaleWindow] = {}
 
 
-def cerar_packet_gain(code: Code) -> float:
-    """The packet gain ``G`` of ``code`` (:func:`cerar.coding.scaling.packet_gain`), once per code."""
-    if code.fingerprint not in _GAINS:
-        _GAINS[code.fingerprint] = packet_gain(code)
-    return _GAINS[code.fingerprint]
+def cerar_scale_window(code: Code, data: torch.dtype, packet: torch.dtype) -> ScaleWindow:
+    """The packet scale window of ``code`` for ``data`` (the working dtype) and ``packet``
+    (:func:`cerar.coding.scaling.scale_window`), once per (code, dtypes): the same on every rank."""
+    key = (code.fingerprint, str(data), str(packet))
+    if key not in _WINDOWS:
+        gain = Schedule.for_code(code).decode_gain(code)
+        _WINDOWS[key] = scale_window(code, precision_name(data), precision_name(packet), gain)
+    return _WINDOWS[key]
 
 
 def rounds_per_product(components: int) -> int:
@@ -159,7 +163,7 @@ def run_cerar(
     stats: CommStats,
     accept: Accept | None = None,
     *,
-    scale: float = 1.0,
+    scale_exponents: tuple[int, int] = (0, 0),
     packet_dtype: torch.dtype | None = None,
 ) -> CerarOutcome:
     """Run CERAR on this rank's contiguous 1-d ``flat`` (float32 or float64) and write the
@@ -170,12 +174,14 @@ def run_cerar(
        (``inf`` for NaN/Inf); :class:`cerar.comm.handshake.MaximaChain` carries every rank's
        beside rounds ``2 .. N``.
     2. Each piece's increments are computed ``max(4, c / 2)`` rounds at a time, a batch ahead, from
-       ``X / scale`` (``scale`` a power of two folded into the increment rows: exact, and
-       free); sending the piece adds its round's increment to
+       ``X / s``: ``s = 2**(r + q)`` for ``scale_exponents = (r, q)``
+       (:meth:`cerar.coding.scaling.ScaleWindow.split`), ``2**r`` folded into the increment rows
+       and the decoder (exact, and free), ``2**q`` (0 but near the ends of the dtype's range)
+       dividing a copy of the input; sending the piece adds its round's increment to
        what arrived, in ``packet_dtype`` (default ``flat``'s dtype; a 16-bit packet is computed
        in ``flat``'s dtype and rounded once).
     3. Observations are folded into a float64 accumulator, a group of slots at a time, times
-       ``scale``.
+       ``2**r``; the sum is multiplied by ``2**q`` as it is written.
     4. When the last round's piece lands, the chain has long completed: ``accept(maxima)``
        decides, the same on every rank, and the piece's sum is written (or nothing is, and
        ``flat`` keeps its input for the caller's fallback or redo).
@@ -191,20 +197,28 @@ def run_cerar(
     first_observed = plan.first_observed_round
     per_product = rounds_per_product(c)
     batches = round_batches(rounds, per_product)
-    batch_rows = []  # each batch's increment rows, divided by scale (exact: a power of two), padded
+    rows_exponent, data_exponent = scale_exponents
+    rows_scale = math.ldexp(1.0, rows_exponent)  # |r| stays far inside float64 (ScaleWindow.split)
+    batch_rows = []  # each batch's increment rows, divided by 2**r (exact: a power of two), padded
     for first, stop in batches:
         padded_rows = torch.zeros(per_product, c, dtype=torch.float64, device=device)
-        padded_rows[: stop - first] = plan.increments[first - 1 : stop - 1] / scale
+        padded_rows[: stop - first] = plan.increments[first - 1 : stop - 1] / rows_scale
         batch_rows.append(padded_rows.to(dtype))
     batch_of = {t: (j, t - first) for j, (first, stop) in enumerate(batches) for t in range(first, stop)}
-    weights = plan.decode_obs * scale  # column s: slot s's weights, times scale
+    weights = plan.decode_obs * rows_scale  # column s: slot s's weights, times 2**r
     groups = slot_groups(c)
     group_weights = {start: weights[:, start:stop].contiguous() for start, stop in groups}
     group_of_last_slot = {stop - 1: (start, stop) for start, stop in groups}
     pieces = segments(m, torch.empty((), dtype=packet).element_size())
 
-    # Per piece: its rows as an (w, c) view of flat (the last piece copied if c does not divide
-    # d), its batch of increments (B, w) and its float64 sum (c, w), each contiguous.
+    # Inputs near the ends of their dtype's range: a copy divided by 2**q (exact), released after.
+    source = flat
+    if data_exponent:
+        source = WORKSPACE.get("scaled_input", (d,), dtype, device)
+        torch.mul(flat, math.ldexp(1.0, -data_exponent), out=source)
+    # Per piece: its rows as an (w, c) view of the source (the last piece copied if c does not
+    # divide d), its batch of increments (B, w) and its float64 sum (c, w), each contiguous; the
+    # sum is written back through the same view when the source is flat.
     columns: dict[int, torch.Tensor] = {}
     increments: dict[int, torch.Tensor] = {}
     totals: dict[int, torch.Tensor] = {}
@@ -212,10 +226,10 @@ def run_cerar(
     total_flat = WORKSPACE.get("decoded", (c * m,), torch.float64, device)
     for a, b in pieces:
         if b <= full_rows:
-            columns[a] = flat[a * c : b * c].view(b - a, c)
+            columns[a] = source[a * c : b * c].view(b - a, c)
         else:
             padded = WORKSPACE.get("tail", (b - a, c), dtype, device)
-            padded.view(-1)[: d - a * c].copy_(flat[a * c :])
+            padded.view(-1)[: d - a * c].copy_(source[a * c :])
             padded.view(-1)[d - a * c :].zero_()
             columns[a] = padded
         increments[a] = increment_flat[per_product * a : per_product * b].view(per_product, b - a)
@@ -226,7 +240,7 @@ def run_cerar(
     widen = packet != dtype  # 16-bit packets: add in flat's dtype, round once
     encoded = WORKSPACE.get("encoded", (m,), dtype, device) if widen else None
     widest = max((b - a for a, b in pieces), default=0)
-    decode_own = (plan.decode_own / scale).to(dtype)  # exact: scale is a power of two
+    decode_own = (plan.decode_own / rows_scale).to(dtype)  # exact: a power of two
     own = WORKSPACE.get("own_part", (c, widest), dtype, device)
     slots64 = WORKSPACE.get("slots64", (max(stop - start for start, stop in groups), widest), torch.float64, device)
     # Observation rounds receive straight into their slot (kept until the slot's group is
@@ -291,14 +305,24 @@ def run_cerar(
         arrived = slots64[: stop - start, : b - a]
         arrived.copy_(observations[start:stop, a:b])
         begin = own_part(decode_own, columns[a], own[:, : b - a]) if start == 0 else None  # D X first
-        fold_slots(acc, arrived, group_weights[start], begin, scale)
+        fold_slots(acc, arrived, group_weights[start], begin, rows_scale)
         if t == rounds and decide():
-            columns[a].copy_(acc.t())
+            if data_exponent:
+                acc.mul_(math.ldexp(1.0, data_exponent))  # exact; the copy's pieces are not flat's
+                out = flat[a * c : b * c].view(b - a, c) if b <= full_rows else columns[a]
+            else:
+                out = columns[a]
+            out.copy_(acc.t())
             if b > full_rows:  # the copied last piece: its values back into flat
-                flat[a * c :].copy_(columns[a].view(-1)[: d - a * c])
+                flat[a * c :].copy_(out.view(-1)[: d - a * c])
         timing["decode"] += time.perf_counter() - began
 
-    run_rounds(ring, stats, rounds, pieces, prepare, target, posted=posted, landed=landed)
+    try:
+        run_rounds(ring, stats, rounds, pieces, prepare, target, posted=posted, landed=landed)
+    finally:
+        if data_exponent:  # held only by calls at the ends of the range
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
+            WORKSPACE.release("scaled_input")
     stats.encode_s += timing["encode"]
     stats.decode_s += timing["decode"]
     stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
@@ -309,17 +333,28 @@ def run_cerar(
 # Exact ring
 
 
+def scale_by_power_of_two(tensor: torch.Tensor, exponent: int) -> None:
+    """``tensor *= 2**exponent`` in place, exactly while the results stay normal: in steps that
+    the tensor's dtype can hold as a scalar (``2**161`` is not a float32, and ``2**1090`` not even
+    a float64), none for ``exponent = 0``."""
+    limit = math.frexp(torch.finfo(tensor.dtype).max)[1] - 2  # 126 for float32, 1022 for float64
+    while exponent:
+        step = max(-limit, min(limit, exponent))
+        tensor.mul_(math.ldexp(1.0, step))
+        exponent -= step
+
+
 def run_ring(
     flat: torch.Tensor,
     ring: Ring,
     stats: CommStats,
     wire_dtype: torch.dtype | None = None,
-    scale: float = 1.0,
+    scale_exponent: int = 0,
 ) -> torch.Tensor:
     """Exact ring all-reduce (reduce-scatter then all-gather) of the contiguous 1-d ``flat``,
     in place. With ``wire_dtype`` the chunks travel in that dtype and are accumulated in
-    ``flat``'s dtype; ``scale`` (a power of two) is applied before the ring and undone after,
-    to keep float16 sums in range."""
+    ``flat``'s dtype; the values are divided by ``2**scale_exponent`` before the ring and
+    multiplied back after (exact), to keep float16 sums in range."""
     n = ring.size
     d = flat.numel()
     chunk = math.ceil(d / n)
@@ -330,8 +365,7 @@ def run_ring(
         padded = WORKSPACE.get("ring_padded", (n * chunk,), flat.dtype, flat.device)
         padded[:d].copy_(flat)
         padded[d:].zero_()
-    if scale != 1.0:
-        padded.mul_(1.0 / scale)
+    scale_by_power_of_two(padded, -scale_exponent)
     chunks = padded.view(n, chunk)
     send = WORKSPACE.get("ring_send", (2, chunk), wire, flat.device)
     recv = WORKSPACE.get("ring_recv", (2, chunk), wire, flat.device)
@@ -362,8 +396,7 @@ def run_ring(
             chunks[(r - (t - n)) % n, a:b].copy_(arrived)
 
     run_rounds(ring, stats, 2 * (n - 1), segments(chunk, flat.element_size()), prepare, target, received)
-    if scale != 1.0:
-        padded.mul_(scale)
+    scale_by_power_of_two(padded, scale_exponent)
     if padded is not flat:
         flat.copy_(padded[:d])
     stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)

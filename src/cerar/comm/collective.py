@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -44,10 +43,11 @@ import torch.distributed as dist
 from cerar._checks import check_choice, check_float
 from cerar.coding import codes
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
-from cerar.coding.precision import float16_scale, precision_name
-from cerar.coding.scaling import packet_range
-from cerar.comm.algorithms import cerar_packet_gain, run_cerar, run_ring
+from cerar.coding.precision import precision_name
+from cerar.coding.scaling import ring_needs_scale, ring_scale_exponent
+from cerar.comm.algorithms import cerar_scale_window, run_cerar, run_ring
 from cerar.comm.call_checks import check_bool, check_op, check_stats, check_tensor
+from cerar.comm.groups import count_call, group_state
 from cerar.comm.handshake import SettingsMismatchError, handshake, max_abs, settings_hash
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
@@ -64,6 +64,7 @@ __all__ = [
     "default_code",
     "get_stats",
     "reset_stats",
+    "resolve_code",
     "ring_all_reduce",
     "shutdown",
 ]
@@ -143,7 +144,7 @@ def all_reduce(
     if code is not None and code.world_size != ring.size:
         raise ValueError(f"Argument 'code' is for world_size={code.world_size} but the group has {ring.size} ranks.")
     if code is not None:
-        precision = precision_name(packet_dtype or (torch.float64 if tensor.dtype == torch.float64 else torch.float32))
+        precision = precision_name(packet_dtype or _working_dtype(tensor.dtype))
         _check_usable(code, precision, check_max_error(max_error))
     # detach(): the same storage, so the result lands in ``tensor``, without autograd, which
     # refuses in-place writes to a leaf that requires grad (dist.all_reduce also bypasses it).
@@ -189,20 +190,41 @@ def ring_all_reduce(
 def default_code(world_size: int, precision: str = "fp32") -> Code:
     """The code used when none is given, tuned for the packet precision.
 
-    float32/float64 packets: :func:`cerar.coding.codes.choose` with its default error budget
-    (1e-3); ``c = 2N`` at ``N = 4`` sends ``(3N-2)/(2N)`` values per value (0.83x ring) with a
-    worst-rank error near 3e-4. 16-bit packets: ``codes.optimized(N, 2N, precision)``, the
-    issue's operating point (predicted worst-rank error at ``N = 4``: 1.6e-2 in float16, 4.5e-2
-    in bfloat16); two ranks use the exact code."""
+    * float32 packets: :func:`cerar.coding.codes.choose` with its default error budget (1e-3):
+      the fewest bytes that meet it (``c = 2N``: ``(3N-2)/(2N)`` values per value, 0.83x ring at
+      ``N = 4``, worst-rank error near 2e-4).
+    * float64 packets: the fewest bytes whose predicted error is no larger than the float32
+      default's, so that wider data never gets a less accurate sum by default (``c = 4N``, 1.125
+      values per value at ``N = 4``, error 5e-5). With the 1e-3 budget itself ``choose`` reaches
+      ``c = 5N``, whose decoder is far worse conditioned: 7x the error for 2% fewer bytes.
+    * 16-bit packets: ``codes.optimized(N, 2N, precision)`` (predicted worst-rank error at
+      ``N = 4``: 1.6e-2 in float16, 4.5e-2 in bfloat16); two ranks use the exact code.
+
+    :func:`resolve_code` picks the precision from a call's dtypes."""
     if precision in ("fp16", "bf16"):
         return codes.exact(2) if world_size == 2 else codes.optimized(world_size, 2 * world_size, precision)
+    if precision == "fp64":
+        float32_error = default_code(world_size, "fp32").predicted_worst_error("fp32")
+        return codes.choose(world_size, "fp64", error_budget=max(float32_error, 1e-12))
     return codes.choose(world_size, precision)
 
 
+def resolve_code(world_size: int, tensor_dtype: torch.dtype, packet_dtype: torch.dtype | None = None) -> Code:
+    """The default code of a call on ``world_size`` ranks with this tensor and packet dtype: the
+    one place that decides it for the collective and the hierarchical path. Packets default to
+    the working dtype (float64 for float64 tensors, float32 otherwise)."""
+    return default_code(world_size, precision_name(packet_dtype or _working_dtype(tensor_dtype)))
+
+
+def _working_dtype(tensor_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ring works in: float64 for float64 tensors, float32 for all others."""
+    return torch.float64 if tensor_dtype == torch.float64 else torch.float32
+
+
 def get_stats(group: dist.ProcessGroup | None = None) -> CommStats:
-    """Cumulative statistics of this process's cerar calls on ``group`` (live object)."""
-    with _STATS_LOCK:
-        return _GROUP_STATS.setdefault(_group_key(group), CommStats())
+    """Cumulative statistics of this process's cerar calls on ``group`` (live object; ``None``
+    and ``dist.group.WORLD`` are the same group)."""
+    return group_state(group).stats
 
 
 def reset_stats(group: dist.ProcessGroup | None = None) -> None:
@@ -235,13 +257,7 @@ def shutdown(timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
     return stopped
 
 
-_GROUP_STATS: dict[Any, CommStats] = {}
-_STATS_LOCK = threading.Lock()
-_CALLS: dict[Any, int] = {}  # cerar calls made on each group by this process
-#: The packet scale exponent of the last CERAR call per (ring, size, packet precision): the next
-#: call of that size proposes it (no pass before the call) and redoes itself if its data left the range.
 _PACKET_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_SCALE_EXPONENTS: dict[tuple[Any, int, int, int, str], int] = {}
 
 
 def _count_call(group: dist.ProcessGroup | None) -> int:
@@ -251,11 +267,7 @@ def _count_call(group: dist.ProcessGroup | None) -> int:
     there, so the ranks' next call has different numbers and the handshake raises on every rank
     instead of pairing it with the others' earlier call. (A call refused up front, on the
     caller's thread, is not counted: it was never accepted, on any rank.)"""
-    key = id(dist.group.WORLD if group is None else group)  # None and WORLD are one group
-    with _STATS_LOCK:
-        number = _CALLS.get(key, 0) + 1
-        _CALLS[key] = number
-        return number
+    return count_call(group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,21 +304,22 @@ def _cerar_call(
             return
         packet = packet_dtype or flat.dtype
         precision = precision_name(packet)
-        code = code if code is not None else default_code(ring.size, precision)
-        identity = ("cerar", code.fingerprint, str(flat.dtype), str(packet), flat.numel(), op, nonfinite)
+        code = code if code is not None else resolve_code(ring.size, tensor.dtype, packet_dtype)
+        # The caller's dtype, not the working copy's: a float16 tensor on one rank and a bfloat16
+        # one on another share the float32 copy, but their sum means nothing.
+        identity = ("cerar", code.fingerprint, str(tensor.dtype), str(packet), flat.numel(), op, nonfinite)
         summary = (
-            f"{code.describe()}, values {flat.dtype}, packets {packet}, size {flat.numel()}, op {op}, "
+            f"{code.describe()}, values {tensor.dtype}, packets {packet}, size {flat.numel()}, op {op}, "
             f"nonfinite={nonfinite!r}"
         )
-        # The packet scale: the one this size's previous call ended with (1 at first), agreed in
-        # the handshake; the maxima that travel with the rounds tell whether it fit.
-        key = (_group_key(ring.group), ring.send_to, ring.recv_from, flat.numel(), precision)  # per ring
-        window = packet_range(precision)
-        bound = ring.size * cerar_packet_gain(code)  # packets <= bound * max|x|
-        remembered = _SCALE_EXPONENTS.get(key)
+        # The packet scale 2**e: the one this size's previous call ended with (e = 0 at first),
+        # agreed in the handshake; the maxima that travel with the rounds tell whether it fit.
+        key = (ring.send_to, ring.recv_from, flat.numel(), precision)  # per ring
+        remembered = group_state(ring.group).scale_exponents
+        window = cerar_scale_window(code, flat.dtype, packet)
         # A narrow format (float16) without a scale to go by pays one pass here, so that its
         # first call does not have to be redone; a wide one starts from 1.
-        first_pass = remembered is None and window.target is not None
+        first_pass = key not in remembered and window.target is not None
         began = time.perf_counter()
         agreed = handshake(
             ring,
@@ -314,29 +327,29 @@ def _cerar_call(
             counter,
             summary,
             max_abs=max_abs(flat) if first_pass else 0.0,
-            scale_exponent=remembered or 0,
+            scale_exponent=remembered.get(key, 0),
             device=flat.device,
         )
         call.handshake_s += time.perf_counter() - began
-        if agreed.max_abs > 0.0:  # some rank measured (the same decision everywhere)
-            scale = window.scale_for(bound * agreed.max_abs)
-        else:
-            scale = math.ldexp(1.0, agreed.scale_exponent)
+        # Some rank measured (the same decision everywhere), or the largest proposal.
+        exponent = window.exponent_for(agreed.max_abs) if agreed.max_abs > 0.0 else agreed.scale_exponent
 
         def accept(maxima: list[float]) -> bool:
             if not all(math.isfinite(v) for v in maxima):
                 return nonfinite == "ignore"  # NaN/Inf: the policy decides, after the rounds
-            return window.admits(bound * max(maxima), scale)
+            return window.admits(max(maxima), exponent)
 
-        outcome = run_cerar(flat, code, ring, call, accept, scale=scale, packet_dtype=packet)
+        outcome = run_cerar(
+            flat, code, ring, call, accept, scale_exponents=window.split(exponent), packet_dtype=packet
+        )
         largest = max(outcome.maxima)
         if not outcome.written and math.isfinite(largest):
             # The packets left the format's safe range at this scale (the same finding on every
             # rank, and every input is intact): redo the call at a scale that fits, and keep it.
-            scale = window.scale_for(bound * largest)
+            exponent = window.exponent_for(largest)
             call.rescales += 1
-            outcome = run_cerar(flat, code, ring, call, scale=scale, packet_dtype=packet)
-        _SCALE_EXPONENTS[key] = math.frexp(scale)[1] - 1
+            outcome = run_cerar(flat, code, ring, call, scale_exponents=window.split(exponent), packet_dtype=packet)
+        remembered[key] = exponent
         if not outcome.written:  # NaN/Inf: the same list on every rank, every input intact
             flagged = [r for r, v in enumerate(outcome.maxima) if not math.isfinite(v)]
             call.nonfinite_events += 1
@@ -365,18 +378,20 @@ def _ring_call(
         if ring.size == 1:
             return
         wire = wire_dtype or flat.dtype
-        identity = ("ring", str(flat.dtype), str(wire), flat.numel(), op)
-        summary = f"exact ring, values {flat.dtype}, wire {wire}, size {flat.numel()}, op {op}"
-        needs_scale = wire == torch.float16
-        # float16 needs every rank's largest magnitude before its first round: one pass here
-        # (aminmax), carried by the handshake; NaN/Inf make it infinite and the scaling is skipped.
+        identity = ("ring", str(tensor.dtype), str(wire), flat.numel(), op)
+        summary = f"exact ring, values {tensor.dtype}, wire {wire}, size {flat.numel()}, op {op}"
+        # A wire narrower than the data (float16 always; bfloat16 or float32 for float64 data,
+        # bfloat16 for float32 data) needs every rank's largest magnitude before its first
+        # round: one pass here (aminmax), carried by the handshake; NaN/Inf make it infinite and
+        # the scaling is skipped.
+        needs_scale = ring_needs_scale(flat.dtype, wire)
         largest = max_abs(flat) if needs_scale else 0.0
         began = time.perf_counter()
         agreed = handshake(ring, settings_hash(identity), counter, summary, max_abs=largest, device=flat.device)
         call.handshake_s += time.perf_counter() - began
         agreed_max = agreed.max_abs
-        scale = float16_scale(ring.size, agreed_max) if needs_scale and math.isfinite(agreed_max) else 1.0
-        run_ring(flat, ring, call, wire_dtype=wire_dtype, scale=scale)
+        exponent = ring_scale_exponent(ring.size, agreed_max, flat.dtype, wire) if needs_scale else 0
+        run_ring(flat, ring, call, wire_dtype=wire_dtype, scale_exponent=exponent)
         if op == "avg":
             flat.div_(ring.size)
 
@@ -417,7 +432,3 @@ def _ring(group: dist.ProcessGroup | None) -> Ring | None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
     return Ring.of(group)
-
-
-def _group_key(group: dist.ProcessGroup | None) -> Any:
-    return "default" if group is None else id(group)

@@ -69,9 +69,10 @@ from cerar.comm.collective import (
     _ring,
     _ring_call,
     _Working,
-    default_code,
     get_stats,
+    resolve_code,
 )
+from cerar.comm.groups import group_state
 from cerar.comm.handshake import SettingsMismatchError, handshake, settings_hash
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
@@ -249,8 +250,7 @@ class _Nodes:
     cross: Ring | None  # the ring of this local rank across nodes (None when M == 1)
 
 
-_NODES: dict[tuple[int, int], _Nodes] = {}
-_NODES_LOCK = threading.Lock()
+_NODES_LOCK = threading.Lock()  # the node groups live in the group's GroupState
 
 
 def _prepare(group: dist.ProcessGroup | None, ranks_per_node: int | None, device: torch.device) -> _Nodes | None:
@@ -267,17 +267,17 @@ def _prepare(group: dist.ProcessGroup | None, ranks_per_node: int | None, device
         return None
     layout = node_layout(group, ranks_per_node)
     assert layout is not None
-    key = (id(dist.group.WORLD if group is None else group), layout.ranks_per_node)
+    cache = group_state(group).nodes
     with _NODES_LOCK:
-        cached = _NODES.get(key)
-    if cached is not None and cached.group is group:
+        cached = cache.get(layout.ranks_per_node)
+    if cached is not None:
         return cached
     COMM.submit(functools.partial(_agree_layout, flat, layout, device), torch.empty(0), False)
     node_group = _node_groups(group, layout)
     cross = _cross_ring(group, layout) if layout.nodes > 1 else None
     nodes = _Nodes(group, layout, flat, node_group, cross)
     with _NODES_LOCK:
-        _NODES[key] = nodes
+        cache[layout.ranks_per_node] = nodes
     return nodes
 
 
@@ -347,13 +347,12 @@ def _hierarchical_call(
         with _Working(tensor) as flat:
             m = layout.nodes
             if m > 1 and method == "cerar":
-                precision = "fp64" if flat.dtype == torch.float64 else "fp32"
-                code = code if code is not None else default_code(m, precision)
+                code = code if code is not None else resolve_code(m, tensor.dtype)
             fingerprint = code.fingerprint if code is not None else None
-            identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(flat.dtype), flat.numel(), op)
+            identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
             identity += (nonfinite,)
             summary = (
-                f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {flat.dtype}, "
+                f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
                 f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}"
             )
             handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device)

@@ -44,6 +44,11 @@ class Workspace:
             self._buffers[key] = buffer
         return buffer[:size].view(shape)
 
+    def release(self, name: str) -> None:
+        """Drop the buffers called ``name`` (of every dtype and device)."""
+        for key in [key for key in self._buffers if key[0] == name]:
+            del self._buffers[key]
+
     @property
     def held_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -79,6 +79,12 @@ class Schedule:
         """All rounds of ``rank`` in order."""
         return [self.step(rank, t) for t in range(1, self.rounds + 1)]
 
+    def decode_gain(self, code: Code) -> float:
+        """``H``: the largest row 1-norm of any rank's decode matrix (:attr:`RankPlan.decode`), the
+        same number on every rank; it bounds how far the decode's products exceed the packets
+        (:func:`cerar.coding.scaling.scale_window`)."""
+        return max(float(np.abs(self.plan(code, r).decode).sum(axis=1).max()) for r in range(self.world_size))
+
     def plan(self, code: Code, rank: int) -> RankPlan:
         """The matrices that execute this schedule with ``code`` on ``rank``."""
         if (code.world_size, code.components) != (self.world_size, self.components):

@@ -17,7 +17,7 @@ import numpy as np
 
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name, rounder
-from cerar.coding.scaling import packet_gain, packet_range
+from cerar.coding.scaling import scale_window
 from cerar.protocol.schedule import Schedule
 
 
@@ -122,9 +122,12 @@ def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationR
     # Component k takes every c-th value (see cerar.comm.algorithms): column q holds values qc .. qc+c-1.
     own = padded.reshape(n_ranks, m, c).transpose(0, 2, 1)
     # The transport's exact power-of-two packet scale at its first call (cerar.coding.scaling).
-    scale = packet_range(packet_name).scale_for(n_ranks * packet_gain(code) * float(np.max(np.abs(flat))))
-
     schedule = Schedule.for_code(code)
+    window = scale_window(code, "fp64", packet_name, schedule.decode_gain(code))
+    rows_exponent, data_exponent = window.split(window.exponent_for(float(np.max(np.abs(flat), initial=0.0))))
+    scale = math.ldexp(1.0, rows_exponent)
+    own = own * math.ldexp(1.0, -data_exponent)  # exact: a power of two
+
     plans = [schedule.plan(code, j) for j in range(n_ranks)]
     received = [np.zeros(m, dtype=packet(np.zeros(1)).dtype) for _ in range(n_ranks)]
     observations: list[list[np.ndarray]] = [[] for _ in range(n_ranks)]
@@ -145,7 +148,7 @@ def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationR
     outputs = np.empty((n_ranks, d))
     for j, plan in enumerate(plans):
         stacked = np.concatenate([own[j], scale * np.asarray(observations[j], dtype=np.float64)])
-        outputs[j] = (plan.decode @ stacked).T.reshape(-1)[:d]
+        outputs[j] = (plan.decode @ stacked).T.reshape(-1)[:d] * math.ldexp(1.0, data_exponent)
     exact_sum = flat.sum(axis=0)
     sent = np.full(n_ranks, schedule.rounds * m)
     bounds = code.error_bound * np.array([code.error_scale(flat, j) for j in range(n_ranks)])

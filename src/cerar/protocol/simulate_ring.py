@@ -1,7 +1,7 @@
 """A reference simulator of the exact ring (reduce-scatter + all-gather) with a chosen wire
 precision, step for step as :func:`cerar.comm.algorithms.run_ring` runs it: values held in float32,
 chunks rounded to the wire precision when sent, float16 wires scaled by
-:func:`cerar.coding.precision.float16_scale`. Pure numpy; used to compare 16-bit rings with CERAR
+:func:`cerar.coding.scaling.ring_scale_exponent`. Pure numpy; used to compare 16-bit rings with CERAR
 on the same inputs."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from cerar._checks import check_int
-from cerar.coding.precision import float16_scale, precision_name, rounder
+from cerar.coding.precision import precision_name, rounder
+from cerar.coding.scaling import ring_scale_exponent
 from cerar.protocol.simulate import SimulationResult, stack_inputs
 
 
@@ -39,7 +40,7 @@ def simulate_ring(inputs: Any, wire_dtype: Any = "fp32", world_size: int | None 
     values[:, :d] = flat.astype(np.float32)
     scale = 1.0
     if wire == "fp16":
-        scale = float16_scale(n, float(np.max(np.abs(values))))
+        scale = 2.0 ** ring_scale_exponent(n, float(np.max(np.abs(values))), "fp64", wire)
         values /= np.float32(scale)
     chunks = values.reshape(n, n, chunk)  # [rank, chunk index, values]
     for step in range(n - 1):  # reduce-scatter: every rank sends, then every rank adds

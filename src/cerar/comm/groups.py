@@ -1,0 +1,71 @@
+"""What cerar keeps per process group, under one key.
+
+A group's state (its call counter, statistics, remembered packet scales and hierarchical node
+groups) is keyed by the group object itself, weakly: ``None`` and ``dist.group.WORLD`` are the
+same group (the default one), and a group that ``destroy_process_group`` released takes its state
+with it, so a new group can never inherit an old one's call count, even where the allocator reuses
+the old object's address (an ``id()`` key did, on some ranks and not others, and the next call
+raised a spurious "different call counts" on every rank).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from cerar.comm.stats import CommStats
+
+__all__ = ["GroupState", "group_state"]
+
+
+@dataclass
+class GroupState:
+    """One group's bookkeeping on this process.
+
+    Attributes:
+        calls: cerar calls accepted on the group so far (the handshake compares it).
+        stats: the group's cumulative :class:`CommStats` (``cerar.get_stats(group)``).
+        scale_exponents: per ``(send_to, recv_from, size, packet precision)``, the packet scale
+            exponent the last CERAR call of that size ended with.
+        nodes: per ``ranks_per_node``, the hierarchical path's node groups.
+    """
+
+    calls: int = 0
+    stats: CommStats = field(default_factory=CommStats)
+    scale_exponents: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    nodes: dict[int, Any] = field(default_factory=dict)
+
+
+_STATES: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
+_MARKERS: dict[Any, GroupState] = {}
+_BEFORE_INIT = GroupState()  # get_stats() before init_process_group: nothing runs there
+_LOCK = threading.Lock()
+
+
+def group_state(group: dist.ProcessGroup | None) -> GroupState:
+    """The :class:`GroupState` of ``group`` (``None``: the default group)."""
+    pg = dist.group.WORLD if group is None else group
+    if pg is None:  # not initialised
+        return _BEFORE_INIT
+    with _LOCK:
+        try:
+            states: Any = _STATES
+            state = states.get(pg)
+        except TypeError:  # not weakly referable: the non-member marker new_group returns (an int)
+            states = _MARKERS
+            state = states.get(pg)
+        if state is None:
+            state = states[pg] = GroupState()
+        return state
+
+
+def count_call(group: dist.ProcessGroup | None) -> int:
+    """Count a call on ``group`` and return its number (see :func:`cerar.comm.collective._call`)."""
+    state = group_state(group)
+    with _LOCK:
+        state.calls += 1
+        return state.calls
