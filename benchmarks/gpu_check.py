@@ -17,6 +17,14 @@ the network. For each message size (MB of float32) and a middle rank (the worst 
 * casts: float32 -> float16 -> float32 and float32 -> bfloat16 -> float32 of the whole message;
 * copy: ``dst.copy_(src)`` of the same number of bytes, the floor any of these is measured against.
 
+With two or more CUDA devices it then runs the collective itself on CUDA tensors over NCCL, one
+rank per device (NCCL refuses two ranks on one device): ``cerar.all_reduce`` with float32 and
+float16 packets, synchronous and async (the tensor written on the caller's stream just before the
+call, read on it just after ``wait()``: the stream ordering of ``cerar.comm.worker_thread``),
+``ring_all_reduce``, and DDP steps with ``cerar.ddp.cerar_hook``, each against
+``torch.distributed.all_reduce``'s sum (:func:`collective_check`; the suite runs the same function
+on Gloo and the CPU).
+
 Each figure is the median of ``--iters`` runs timed with CUDA events. The CPU check runs the same
 encode and decode on the CPU and prints the largest relative difference (float32 encode: ~1e-6;
 the float64 decode, written back in float32: ~1e-7). Exits 0 with a note when no CUDA device
@@ -137,6 +145,113 @@ def check_size(code, rank: int, size_mb: float, iters: int, device: str = "cuda"
     return row
 
 
+def _collective_rank(rank: int, world: int, port: int, backend: str, device_type: str, results) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    import cerar
+    from cerar import ddp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    errors: dict[str, float] = {}
+    try:
+        generator = torch.Generator().manual_seed(rank)
+        x = torch.randn(1_000_003, generator=generator).to(device)
+
+        def exact(t: torch.Tensor) -> torch.Tensor:
+            total = t.clone()
+            dist.all_reduce(total)
+            return total
+
+        def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+            return float((got.double() - want.double()).norm() / want.double().norm())
+
+        for name, packet in (("cerar fp32", None), ("cerar fp16", torch.float16)):
+            y = x.clone()
+            cerar.all_reduce(y, packet_dtype=packet)
+            errors[name] = relative(y, exact(x))
+        # Async, with the input written on the caller's stream right before the call and read on
+        # it right after wait(): only the events order them.
+        z = torch.empty_like(x)
+        z.copy_(x).mul_(2.0)
+        work = cerar.all_reduce(z, async_op=True)
+        work.wait()
+        errors["cerar async"] = relative(z.clone(), exact(2.0 * x))
+        future = cerar.all_reduce(w := x.clone(), async_op=True).get_future()
+        errors["cerar future"] = relative(future.wait()[0], exact(x))
+        del w
+        r = x.clone()
+        cerar.ring_all_reduce(r, wire_dtype=torch.float16)
+        errors["ring fp16"] = relative(r, exact(x))
+        # DDP with cerar's hook against the same model with torch's own all-reduce.
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).to(device)
+        reference = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).to(device)
+        reference.load_state_dict(model.state_dict())
+        ids = [rank] if device.type == "cuda" else None
+        coded = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        coded.register_comm_hook(ddp.CerarState(), ddp.cerar_hook)
+        plain = torch.nn.parallel.DistributedDataParallel(reference, device_ids=ids)
+        batch = torch.randn(32, 256, generator=generator).to(device)
+        for net in (coded, plain):
+            net(batch).square().mean().backward()
+        grads = [torch.cat([p.grad.reshape(-1) for p in net.parameters()]) for net in (coded, plain)]
+        errors["ddp cerar_hook"] = relative(*grads)
+        cerar.shutdown()
+        results.put((rank, errors))
+    except BaseException as exc:  # reported to the parent
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_check(world: int, backend: str = "nccl", device_type: str = "cuda", timeout_s: float = 300.0) -> dict:
+    """Run the collective and the DDP hook on ``world`` ranks (one per CUDA device with NCCL);
+    return each check's worst relative error over the ranks against ``dist.all_reduce``."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # CUDA cannot be used in a forked child once the parent has touched it; the CPU check (the
+    # suite, which loads this file by path, where spawn could not import it) forks.
+    context = mp.get_context("spawn" if device_type == "cuda" else "fork")
+    results = context.Queue()
+    ranks = [
+        context.Process(target=_collective_rank, args=(r, world, port, backend, device_type, results))
+        for r in range(world)
+    ]
+    for process in ranks:
+        process.start()
+    found = {}
+    try:
+        for _ in range(world):
+            rank, value = results.get(timeout=timeout_s)
+            if isinstance(value, str):
+                raise RuntimeError(f"gpu_check: rank {rank} failed: {value}")
+            found[rank] = value
+    finally:
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    return {name: max(found[r][name] for r in found) for name in found[0]}
+
+
+#: Worst relative errors the collective check accepts: the default codes' predicted worst-rank
+#: errors (2e-4 in float32, 1.6e-2 with float16 packets at N = 4) with room for N up to 8.
+COLLECTIVE_LIMITS = {"cerar fp32": 1e-3, "cerar fp16": 5e-2, "cerar async": 1e-3, "cerar future": 1e-3,
+                     "ring fp16": 5e-3, "ddp cerar_hook": 1e-3}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-N", "--world-size", type=int, default=4)
@@ -163,7 +278,19 @@ def main(argv: list[str] | None = None) -> int:
         if r["encode_rel_diff"] > 1e-4 or r["decode_rel_diff"] > 1e-6:
             print("gpu_check: the device path disagrees with the CPU path", file=sys.stderr)
             return 1
-    return 0
+    devices = torch.cuda.device_count()
+    if devices < 2:
+        print("gpu_check: the collective on CUDA tensors needs 2+ GPUs (NCCL takes one rank per GPU); skipped.")
+        return 0
+    world = min(devices, args.world_size)
+    worst = collective_check(world)
+    print(f"collective on {world} GPUs over NCCL, worst relative error against dist.all_reduce:")
+    failed = False
+    for name, error in worst.items():
+        ok = error <= COLLECTIVE_LIMITS[name]
+        failed |= not ok
+        print(f"  {name}: {error:.2e} (limit {COLLECTIVE_LIMITS[name]:.0e}){'' if ok else '  FAILED'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

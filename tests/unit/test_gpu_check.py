@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from cerar import codes
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
@@ -33,3 +35,13 @@ def test_without_cuda_it_says_so_and_exits_0(capsys) -> None:
         return
     assert module.main(["--sizes", "1"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.multirank
+def test_the_collective_check_runs_on_gloo_and_the_cpu() -> None:
+    """The same function a machine with two or more GPUs runs over NCCL, on 2 Gloo ranks."""
+    module = _load()
+    worst = module.collective_check(2, backend="gloo", device_type="cpu", timeout_s=240)
+    assert set(worst) == set(module.COLLECTIVE_LIMITS)
+    for name, error in worst.items():
+        assert error <= module.COLLECTIVE_LIMITS[name], (name, error)

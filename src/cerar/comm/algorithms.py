@@ -36,7 +36,7 @@ import torch
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name
 from cerar.coding.scaling import ScaleWindow, scale_window
-from cerar.comm.handshake import MaximaChain, max_abs
+from cerar.comm.handshake import MaximaChain
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Ring, run_rounds, segments
 from cerar.protocol.schedule import Schedule
@@ -288,7 +288,7 @@ def run_cerar(
 
     def posted(t: int) -> None:
         if t == 1:
-            chain.set_own(max_abs(flat))  # one pass over the input, while round 1 is on the wire
+            chain.set_own_from(flat)  # one pass over the input, while round 1 is on the wire
 
     # Off the critical path: round t's piece has landed and round t + 1's is on the wire.
     def landed(t: int, a: int, b: int) -> None:

@@ -169,6 +169,15 @@ class MaximaChain:
     def set_own(self, max_abs: float) -> None:
         self.own[self.ring.rank] = max_abs if math.isfinite(max_abs) else math.inf
 
+    def set_own_from(self, tensor: torch.Tensor) -> None:
+        """This rank's slot from ``tensor``'s ``max|x|`` (``inf`` for NaN/Inf), computed where the
+        tensor lives: no host synchronisation (the value is read only in :meth:`maxima`)."""
+        if not tensor.numel():
+            return  # the slot holds 0
+        low, high = torch.aminmax(tensor)
+        largest = torch.maximum(-low, high).to(torch.float64)
+        self.own[self.ring.rank] = torch.nan_to_num(largest, nan=math.inf, posinf=math.inf)
+
     def step(self, round_index: int) -> None:
         """Post this round's hop (rounds ``2 .. N``); the previous hop's message has arrived."""
         if self.hops >= self.ring.size - 1:

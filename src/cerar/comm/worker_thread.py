@@ -8,6 +8,16 @@ a process that exits while a call is on the wire would otherwise tear down Gloo 
 still inside it, and the C++ runtime aborts the process ("terminate called without an active
 exception", SIGABRT) after all its Python work is done.
 
+Accelerators (by PyTorch's stream rules, as ``ProcessGroupNCCL`` keeps them): at submission an
+event is recorded on the caller's current stream of the tensor's device; the communication
+thread sets that device and runs the call on a dedicated stream (one per device) that first
+waits for that event, so it sees everything the caller queued before; an event recorded on the
+dedicated stream after the call is what the caller's side waits for: a blocking call and
+:meth:`CerarWork.wait` make the caller's current stream wait for it (no host synchronisation),
+and :meth:`CerarWork.get_future` returns a CUDA-aware ``torch.futures.Future(devices=[...])``,
+completed after that stream waited too, so a consumer's ``wait()``/``then()`` is ordered after
+the result (the DDP hooks return such futures).
+
 Threads. The ranks' calls pair up by their order, so every rank must issue them in the same
 order, and calls made from several Python threads at once have no order across ranks (rank
 0's thread A would pair with rank 1's thread B). The rule: **a process's cerar calls come
@@ -30,7 +40,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import torch
@@ -47,28 +57,87 @@ class ShutdownError(RuntimeError):
     """A call was still queued when ``cerar.shutdown()`` gave up waiting: it never ran."""
 
 
+class _DeviceSync:
+    """The events that order one call on an accelerator with its caller's streams (see the
+    module docstring); CPU calls have none."""
+
+    __slots__ = ("device", "done", "ready")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.device = tensor.device
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(self.device))
+        self.done: torch.cuda.Event | None = None  # recorded on the dedicated stream after the call
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """On the communication thread: the call's device and dedicated stream, after ``ready``."""
+        stream = _dedicated_stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(self.ready)
+            try:
+                yield
+            finally:
+                self.done = torch.cuda.Event()
+                self.done.record(stream)
+
+    def order_current_stream(self) -> None:
+        """Make the calling thread's current stream of the device wait for the call's work."""
+        if self.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _dedicated_stream(device: torch.device) -> torch.cuda.Stream:
+    """cerar's own stream on ``device`` (created once, on the communication thread)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def _device_sync(tensor: torch.Tensor) -> _DeviceSync | None:
+    return _DeviceSync(tensor) if tensor.device.type == "cuda" else None
+
+
 class CerarWork:
     """Handle of an async cerar call, shaped like ``torch.distributed.Work``."""
 
-    def __init__(self, future: Future[torch.Tensor]) -> None:
+    def __init__(self, future: Future[torch.Tensor], sync: _DeviceSync | None = None) -> None:
         self._future = future
+        self._sync = sync
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the call completes; re-raise its error. Returns True."""
+        """Block until the call completes; re-raise its error; on an accelerator, order the
+        caller's current stream after the call's work. Returns True."""
         self._future.result(timeout=timeout)
+        if self._sync is not None:
+            self._sync.order_current_stream()
         return True
 
     def is_completed(self) -> bool:
         return self._future.done()
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """A ``torch.futures.Future`` whose value is ``[tensor]``, as for torch's all_reduce."""
-        out: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        """A ``torch.futures.Future`` whose value is ``[tensor]``, as for torch's all_reduce
+        (CUDA-aware for a CUDA tensor: its consumers' streams wait for the result)."""
+        sync = self._sync
+        devices = [sync.device] if sync is not None else None
+        out: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices)
 
         def forward(done: Future[torch.Tensor]) -> None:
             error = done.exception()
             if error is not None:
                 out.set_exception(error)
+                return
+            if sync is not None:
+                # The future records an event on the current stream of whichever thread runs
+                # this (the communication thread, or the caller's if the call had finished): make
+                # that stream wait for the call first.
+                with torch.cuda.device(sync.device):
+                    sync.order_current_stream()
+                    out.set_result([done.result()])
             else:
                 out.set_result([done.result()])
 
@@ -76,7 +145,7 @@ class CerarWork:
         return out
 
 
-_Job = tuple[Callable[[], None], Future[torch.Tensor], torch.Tensor]
+_Job = tuple[Callable[[], None], Future[torch.Tensor], torch.Tensor, "_DeviceSync | None"]
 
 
 class _Worker:
@@ -98,12 +167,13 @@ class _Worker:
             item = self.jobs.get()
             if item is None:
                 return
-            job, future, tensor = item
+            job, future, tensor, sync = item
             if not future.set_running_or_notify_cancel():
                 self.finished(future)
                 continue
             try:
-                job()
+                with sync.running() if sync is not None else contextlib.nullcontext():
+                    job()
             except BaseException as exc:  # surfaced to the caller through the future
                 self.finished(future)
                 future.set_exception(exc)
@@ -188,16 +258,21 @@ class CommThread:
             )
         self._callers.enter(future)
         try:
-            self._queue(job, future, tensor)
+            sync = _device_sync(tensor)
+            self._queue(job, future, tensor, sync)
         except BaseException:
             self._callers.leave(future)
             raise
         if async_op:
-            return CerarWork(future)
+            return CerarWork(future, sync)
         future.result()
+        if sync is not None:
+            sync.order_current_stream()
         return None
 
-    def _queue(self, job: Callable[[], None], future: Future[torch.Tensor], tensor: torch.Tensor) -> None:
+    def _queue(
+        self, job: Callable[[], None], future: Future[torch.Tensor], tensor: torch.Tensor, sync: _DeviceSync | None
+    ) -> None:
         with self._lock:
             if self._worker is None or not self._worker.thread.is_alive():
                 self._worker = _Worker(self._callers.leave)
@@ -206,7 +281,7 @@ class CommThread:
                     # whatever the program set up before (atexit runs them last-in first-out).
                     atexit.register(self.shutdown)
                     self._atexit_registered = True
-            self._worker.jobs.put((job, future, tensor))
+            self._worker.jobs.put((job, future, tensor, sync))
 
     def shutdown(self, timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
         """Stop the thread after the calls already submitted; see ``cerar.shutdown``.
