@@ -16,20 +16,17 @@ collective (:func:`all_reduce`, :func:`ring_all_reduce`, :func:`shutdown`) and t
 for clusters of nodes (:func:`hierarchical_all_reduce`, :func:`hierarchical_ring_all_reduce`:
 exact inside each node, CERAR or the exact ring between nodes). The documented submodules
 ``cerar.codes``, ``cerar.ddp``, ``cerar.hierarchical``, ``cerar.transport`` and ``cerar.collective``
-are reachable both as attributes of ``cerar`` and by ``import cerar.ddp``.
+are plain modules that re-export the public names of the modules that define them, reachable as
+attributes of ``cerar`` and by ``import cerar.ddp``.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import sys
-from types import ModuleType
 from typing import Any
 
+from cerar import codes
 from cerar._version import __version__
-from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.comm.stats import CommStats
 from cerar.protocol.schedule import RankPlan, RoundStep, Schedule
@@ -60,47 +57,19 @@ __all__ = [
     "transport",
 ]
 
-#: Documented submodules that live deeper in the tree, by their public name.
-_SUBMODULES = {
-    "codes": "cerar.coding.codes",
-    "collective": "cerar.comm.collective",
-    "ddp": "cerar.comm.ddp",
-    "hierarchical": "cerar.comm.hierarchical",
-    "transport": "cerar.comm.transport",
-}
+#: The facade's submodules that load torch.distributed, imported on first use.
+_SUBMODULES = ("collective", "ddp", "hierarchical", "transport")
 #: Names of the collective, loaded (with torch.distributed) on first use.
 _COLLECTIVE_NAMES = ("all_reduce", "ring_all_reduce", "shutdown", "NonFiniteError", "SettingsMismatchError")
 #: Names of the hierarchical collective (exact inside nodes, CERAR between them), loaded likewise.
 _HIERARCHICAL_NAMES = ("hierarchical_all_reduce", "hierarchical_ring_all_reduce")
 
 
-class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Makes ``import cerar.ddp`` load ``cerar.comm.ddp`` (the same module object)."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        public = fullname.removeprefix("cerar.")
-        if fullname.startswith("cerar.") and public in _SUBMODULES:
-            return importlib.machinery.ModuleSpec(fullname, self)
-        return None
-
-    def create_module(self, spec: Any) -> ModuleType:
-        module = importlib.import_module(_SUBMODULES[spec.name.removeprefix("cerar.")])
-        spec.loader_state = module.__spec__  # the import system overwrites it: put it back below
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        # Already executed under its real name; keep that name's spec (reload, pickling).
-        module.__spec__ = module.__spec__.loader_state
-
-
-sys.meta_path.append(_Alias())
-
-
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        return importlib.import_module(_SUBMODULES[name])
+        return importlib.import_module(f"cerar.{name}")
     if name in _COLLECTIVE_NAMES:
-        return getattr(importlib.import_module("cerar.comm.collective"), name)
+        return getattr(importlib.import_module("cerar.collective"), name)
     if name in _HIERARCHICAL_NAMES:
-        return getattr(importlib.import_module("cerar.comm.hierarchical"), name)
+        return getattr(importlib.import_module("cerar.hierarchical"), name)
     raise AttributeError(f"module 'cerar' has no attribute {name!r}")

@@ -149,7 +149,7 @@ Accept = Callable[[list[float]], bool]
 
 @dataclass(frozen=True)
 class CerarOutcome:
-    """What one run of :func:`run_cerar` found: every rank's ``max|x|`` and whether the sum was
+    """What one :class:`CerarRun` found: every rank's ``max|x|`` and whether the sum was
     written (if not, the input is intact)."""
 
     maxima: list[float]
@@ -167,166 +167,202 @@ def run_cerar(
     packet_dtype: torch.dtype | None = None,
 ) -> CerarOutcome:
     """Run CERAR on this rank's contiguous 1-d ``flat`` (float32 or float64) and write the
-    decoded sum into it if ``accept`` (default: always) agrees. ``stats`` accumulates the
-    call's figures.
+    decoded sum into it if ``accept`` (default: always) agrees; see :class:`CerarRun`."""
+    return CerarRun(flat, code, ring, accept, scale_exponents, packet_dtype).run(stats)
 
-    1. While round 1 is on the wire, one pass over the input finds its ``max|x|``
-       (``inf`` for NaN/Inf); :class:`cerar.comm.handshake.MaximaChain` carries every rank's
+
+class CerarRun:
+    """One CERAR call on this rank: its buffers, and the three methods the round engine
+    (:func:`cerar.comm.transport.run_rounds`) calls for each piece of each round.
+
+    1. While round 1 is on the wire, one pass over the input finds its ``max|x|`` (``inf`` for
+       NaN/Inf, :meth:`posted`); :class:`cerar.comm.handshake.MaximaChain` carries every rank's
        beside rounds ``2 .. N``.
-    2. Each piece's increments are computed ``max(4, c / 2)`` rounds at a time, a batch ahead, from
-       ``X / s``: ``s = 2**(r + q)`` for ``scale_exponents = (r, q)``
+    2. Each piece's increments are computed ``max(4, c / 2)`` rounds at a time, a batch ahead
+       (:meth:`landed`), from ``X / s``: ``s = 2**(r + q)`` for ``scale_exponents = (r, q)``
        (:meth:`cerar.coding.scaling.ScaleWindow.split`), ``2**r`` folded into the increment rows
        and the decoder (exact, and free), ``2**q`` (0 but near the ends of the dtype's range)
-       dividing a copy of the input; sending the piece adds its round's increment to
-       what arrived, in ``packet_dtype`` (default ``flat``'s dtype; a 16-bit packet is computed
-       in ``flat``'s dtype and rounded once).
-    3. Observations are folded into a float64 accumulator, a group of slots at a time, times
-       ``2**r``; the sum is multiplied by ``2**q`` as it is written.
+       dividing a copy of the input. Sending a piece (:meth:`prepare`) adds its round's increment
+       to what arrived, in ``packet_dtype`` (default ``flat``'s dtype; a 16-bit packet is
+       computed in ``flat``'s dtype and rounded once): the critical path is that one add.
+    3. Observations arrive straight into their slot (:meth:`target`) and are folded into a
+       float64 accumulator a group of slots at a time, times ``2**r`` (:meth:`landed`, once the
+       piece's next round is on the wire).
     4. When the last round's piece lands, the chain has long completed: ``accept(maxima)``
-       decides, the same on every rank, and the piece's sum is written (or nothing is, and
-       ``flat`` keeps its input for the caller's fallback or redo).
+       decides, the same on every rank, and the piece's sum, times ``2**q``, is written (or
+       nothing is, and ``flat`` keeps its input for the caller's fallback or redo).
     """
-    c = code.components
-    d = flat.numel()
-    full_rows = d // c  # columns held in flat as they are
-    m = math.ceil(d / c)
-    dtype, device = flat.dtype, flat.device
-    packet = packet_dtype or dtype
-    plan = _torch_plan(code, ring.rank, device)
-    rounds = plan.increments.shape[0]
-    first_observed = plan.first_observed_round
-    per_product = rounds_per_product(c)
-    batches = round_batches(rounds, per_product)
-    rows_exponent, data_exponent = scale_exponents
-    rows_scale = math.ldexp(1.0, rows_exponent)  # |r| stays far inside float64 (ScaleWindow.split)
-    batch_rows = []  # each batch's increment rows, divided by 2**r (exact: a power of two), padded
-    for first, stop in batches:
-        padded_rows = torch.zeros(per_product, c, dtype=torch.float64, device=device)
-        padded_rows[: stop - first] = plan.increments[first - 1 : stop - 1] / rows_scale
-        batch_rows.append(padded_rows.to(dtype))
-    batch_of = {t: (j, t - first) for j, (first, stop) in enumerate(batches) for t in range(first, stop)}
-    weights = plan.decode_obs * rows_scale  # column s: slot s's weights, times 2**r
-    groups = slot_groups(c)
-    group_weights = {start: weights[:, start:stop].contiguous() for start, stop in groups}
-    group_of_last_slot = {stop - 1: (start, stop) for start, stop in groups}
-    pieces = segments(m, torch.empty((), dtype=packet).element_size())
 
-    # Inputs near the ends of their dtype's range: a copy divided by 2**q (exact), released after.
-    source = flat
-    if data_exponent:
-        source = WORKSPACE.get("scaled_input", (d,), dtype, device)
-        torch.mul(flat, math.ldexp(1.0, -data_exponent), out=source)
-    # Per piece: its rows as an (w, c) view of the source (the last piece copied if c does not
-    # divide d), its batch of increments (B, w) and its float64 sum (c, w), each contiguous; the
-    # sum is written back through the same view when the source is flat.
-    columns: dict[int, torch.Tensor] = {}
-    increments: dict[int, torch.Tensor] = {}
-    totals: dict[int, torch.Tensor] = {}
-    increment_flat = WORKSPACE.get("increments", (per_product * m,), dtype, device)
-    total_flat = WORKSPACE.get("decoded", (c * m,), torch.float64, device)
-    for a, b in pieces:
-        if b <= full_rows:
-            columns[a] = source[a * c : b * c].view(b - a, c)
-        else:
-            padded = WORKSPACE.get("tail", (b - a, c), dtype, device)
-            padded.view(-1)[: d - a * c].copy_(source[a * c :])
-            padded.view(-1)[d - a * c :].zero_()
-            columns[a] = padded
-        increments[a] = increment_flat[per_product * a : per_product * b].view(per_product, b - a)
-        totals[a] = total_flat[c * a : c * b].view(c, b - a)
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        code: Code,
+        ring: Ring,
+        accept: Accept | None = None,
+        scale_exponents: tuple[int, int] = (0, 0),
+        packet_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.flat, self.ring, self.accept = flat, ring, accept
+        c = self.c = code.components
+        d = self.d = flat.numel()
+        self.full_rows = d // c  # columns held in flat (or its scaled copy) as they are
+        m = math.ceil(d / c)
+        dtype, device = flat.dtype, flat.device
+        packet = packet_dtype or dtype
+        plan = _torch_plan(code, ring.rank, device)
+        self.rounds = plan.increments.shape[0]
+        self.first_observed = plan.first_observed_round
+        self.rows_exponent, self.data_exponent = scale_exponents
+        self.rows_scale = math.ldexp(1.0, self.rows_exponent)  # |r| stays far inside float64
+        self._increment_rows(plan, dtype)
+        weights = plan.decode_obs * self.rows_scale  # column s: slot s's weights, times 2**r
+        groups = slot_groups(c)
+        self.group_weights = {start: weights[:, start:stop].contiguous() for start, stop in groups}
+        self.group_of_last_slot = {stop - 1: (start, stop) for start, stop in groups}
+        self.decode_own = (plan.decode_own / self.rows_scale).to(dtype)  # exact: a power of two
+        self.pieces = segments(m, torch.empty((), dtype=packet).element_size())
+        self._piece_views(dtype, device)
+        widest = max((b - a for a, b in self.pieces), default=0)
+        self.send = WORKSPACE.get("send", (2, m), packet, device)
+        self.recv = WORKSPACE.get("recv", (2, m), packet, device)  # rounds before the first observation
+        self.widen = packet != dtype  # 16-bit packets: add in flat's dtype, round once
+        self.encoded = WORKSPACE.get("encoded", (m,), dtype, device) if self.widen else None
+        self.own = WORKSPACE.get("own_part", (c, widest), dtype, device)
+        deepest = max(stop - start for start, stop in groups)
+        self.slots64 = WORKSPACE.get("slots64", (deepest, widest), torch.float64, device)
+        # Observation rounds receive straight into their slot (kept until the slot's group is
+        # folded); rounds before them into two alternating scratch packets.
+        self.observations = WORKSPACE.get("observations", (c, m), packet, device)
+        self.chain = MaximaChain(ring, device)
+        self.encode_s = self.decode_s = 0.0
+        self.maxima: list[float] = []
+        self.written: bool | None = None  # decided once, after the last round
 
-    send = WORKSPACE.get("send", (2, m), packet, device)
-    recv = WORKSPACE.get("recv", (2, m), packet, device)  # rounds before the first observation
-    widen = packet != dtype  # 16-bit packets: add in flat's dtype, round once
-    encoded = WORKSPACE.get("encoded", (m,), dtype, device) if widen else None
-    widest = max((b - a for a, b in pieces), default=0)
-    decode_own = (plan.decode_own / rows_scale).to(dtype)  # exact: a power of two
-    own = WORKSPACE.get("own_part", (c, widest), dtype, device)
-    slots64 = WORKSPACE.get("slots64", (max(stop - start for start, stop in groups), widest), torch.float64, device)
-    # Observation rounds receive straight into their slot (kept until the slot's group is
-    # folded); rounds before them into two alternating scratch packets.
-    observations = WORKSPACE.get("observations", (c, m), packet, device)
-    chain = MaximaChain(ring, device)
-    timing = {"encode": 0.0, "decode": 0.0}
-    decision: dict[str, bool] = {}
-    maxima: list[float] = []
+    def _increment_rows(self, plan: _TorchPlan, dtype: torch.dtype) -> None:
+        """Each batch's increment rows, divided by ``2**r`` (exact), zero padded to a full batch."""
+        per_product = self.per_product = rounds_per_product(self.c)
+        batches = round_batches(self.rounds, per_product)
+        self.batch_rows = []
+        for first, stop in batches:
+            padded = torch.zeros(per_product, self.c, dtype=torch.float64, device=plan.increments.device)
+            padded[: stop - first] = plan.increments[first - 1 : stop - 1] / self.rows_scale
+            self.batch_rows.append(padded.to(dtype))
+        self.batch_of = {t: (j, t - first) for j, (first, stop) in enumerate(batches) for t in range(first, stop)}
 
-    def decide() -> bool:
-        if "write" not in decision:
-            maxima.extend(chain.maxima(rounds + 1))
-            decision["write"] = accept is None or accept(maxima)
-        return decision["write"]
+    def _piece_views(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Per piece (keyed by its first column): its rows as a ``(w, c)`` view of the source (the
+        last piece copied and zero padded if ``c`` does not divide ``d``), its batch of increments
+        ``(B, w)`` and its float64 sum ``(c, w)``, each contiguous. The source is ``flat``, or near
+        the ends of the dtype's range a copy divided by ``2**q`` (exact), released after the call."""
+        c, d, m = self.c, self.d, math.ceil(self.d / self.c)
+        source = self.flat
+        if self.data_exponent:
+            source = WORKSPACE.get("scaled_input", (d,), dtype, device)
+            torch.mul(self.flat, math.ldexp(1.0, -self.data_exponent), out=source)
+        self.columns: dict[int, torch.Tensor] = {}
+        self.increments: dict[int, torch.Tensor] = {}
+        self.totals: dict[int, torch.Tensor] = {}
+        increment_flat = WORKSPACE.get("increments", (self.per_product * m,), dtype, device)
+        total_flat = WORKSPACE.get("decoded", (c * m,), torch.float64, device)
+        for a, b in self.pieces:
+            if b <= self.full_rows:
+                self.columns[a] = source[a * c : b * c].view(b - a, c)
+            else:
+                padded = WORKSPACE.get("tail", (b - a, c), dtype, device)
+                padded.view(-1)[: d - a * c].copy_(source[a * c :])
+                padded.view(-1)[d - a * c :].zero_()
+                self.columns[a] = padded
+            rows = self.per_product
+            self.increments[a] = increment_flat[rows * a : rows * b].view(rows, b - a)
+            self.totals[a] = total_flat[c * a : c * b].view(c, b - a)
 
-    def encode_batch(j: int, a: int) -> None:
-        """Batch ``j``'s increments of the piece starting at column ``a``."""
-        began = time.perf_counter()
-        encode_rounds(batch_rows[j], columns[a], increments[a])
-        timing["encode"] += time.perf_counter() - began
+    def run(self, stats: CommStats) -> CerarOutcome:
+        try:
+            run_rounds(self.ring, stats, self.rounds, self.pieces, self.prepare, self.target,
+                       posted=self.posted, landed=self.landed)  # fmt: skip
+        finally:
+            if self.data_exponent:  # held only by calls at the ends of the range
+                stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
+                WORKSPACE.release("scaled_input")
+        stats.encode_s += self.encode_s
+        stats.decode_s += self.decode_s
+        stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
+        return CerarOutcome(maxima=self.maxima, written=self.decide())  # decided here if there was no piece
 
-    # The critical path of a round's piece: one add (received + increment) and the send; round
-    # 1 also computes the first batch (for later pieces, while earlier ones are on the wire).
-    def prepare(t: int, a: int, b: int) -> torch.Tensor:
+    def decide(self) -> bool:
+        """Whether to write the sum: ``accept(maxima)``, the same on every rank, asked once."""
+        if self.written is None:
+            self.maxima.extend(self.chain.maxima(self.rounds + 1))
+            self.written = self.accept is None or self.accept(self.maxima)
+        return self.written
+
+    # The engine's hooks, in the order it calls them for a piece.
+
+    def prepare(self, t: int, a: int, b: int) -> torch.Tensor:
+        """Round ``t``'s piece to send: what arrived in round ``t - 1`` plus its increment (round
+        1 also computes the piece's first batch, while earlier pieces are on the wire)."""
         if t > 1 and a == 0:
-            chain.step(t)  # this round's hop of the maxima, beside its first piece
+            self.chain.step(t)  # this round's hop of the maxima, beside its first piece
         if t == 1:
-            encode_batch(0, a)
-        increment = increments[a][batch_of[t][1]]
-        out = send[t % 2, a:b]
+            self._encode_batch(0, a)
+        increment = self.increments[a][self.batch_of[t][1]]
+        out = self.send[t % 2, a:b]
         if t == 1:
             out.copy_(increment)
-        elif widen:
-            into = encoded[a:b]
-            torch.add(increment, target(t - 1, a, b), out=into)
+        elif self.widen:
+            into = self.encoded[a:b]
+            torch.add(increment, self.target(t - 1, a, b), out=into)
             out.copy_(into)  # rounded once to the packet dtype
         else:
-            torch.add(target(t - 1, a, b), increment, out=out)
+            torch.add(self.target(t - 1, a, b), increment, out=out)
         return out
 
-    def target(t: int, a: int, b: int) -> torch.Tensor:
-        slot = t - first_observed
-        return observations[slot, a:b] if slot >= 0 else recv[t % 2, a:b]
+    def target(self, t: int, a: int, b: int) -> torch.Tensor:
+        """Where round ``t``'s piece arrives: its observation slot, or a scratch packet."""
+        slot = t - self.first_observed
+        return self.observations[slot, a:b] if slot >= 0 else self.recv[t % 2, a:b]
 
-    def posted(t: int) -> None:
+    def posted(self, t: int) -> None:
         if t == 1:
-            chain.set_own_from(flat)  # one pass over the input, while round 1 is on the wire
+            self.chain.set_own_from(self.flat)  # one pass over the input, while round 1 is on the wire
 
-    # Off the critical path: round t's piece has landed and round t + 1's is on the wire.
-    def landed(t: int, a: int, b: int) -> None:
-        upcoming = batch_of.get(t + 2)
+    def landed(self, t: int, a: int, b: int) -> None:
+        """Off the critical path: round ``t``'s piece has landed, round ``t + 1``'s is on the wire."""
+        upcoming = self.batch_of.get(t + 2)
         if upcoming is not None and upcoming[1] == 0:
             # Round t + 1 used the batch's last row: the next batch, needed from round t + 2.
-            encode_batch(upcoming[0], a)
-        group = group_of_last_slot.get(t - first_observed)
-        if group is None:  # not an observation, or its group is not complete
-            return
+            self._encode_batch(upcoming[0], a)
+        group = self.group_of_last_slot.get(t - self.first_observed)
+        if group is not None:  # an observation that completes its group of slots
+            self._fold(t, a, b, group)
+
+    def _encode_batch(self, j: int, a: int) -> None:
+        """Batch ``j``'s increments of the piece starting at column ``a``."""
+        began = time.perf_counter()
+        encode_rounds(self.batch_rows[j], self.columns[a], self.increments[a])
+        self.encode_s += time.perf_counter() - began
+
+    def _fold(self, t: int, a: int, b: int, group: tuple[int, int]) -> None:
+        """Fold a group of slots into the piece's sum (the own part ``D X`` with the first); after
+        the last round, write the sum if :meth:`decide` says so."""
         began = time.perf_counter()
         start, stop = group
-        acc = totals[a]
-        arrived = slots64[: stop - start, : b - a]
-        arrived.copy_(observations[start:stop, a:b])
-        begin = own_part(decode_own, columns[a], own[:, : b - a]) if start == 0 else None  # D X first
-        fold_slots(acc, arrived, group_weights[start], begin, rows_scale)
-        if t == rounds and decide():
-            if data_exponent:
-                acc.mul_(math.ldexp(1.0, data_exponent))  # exact; the copy's pieces are not flat's
-                out = flat[a * c : b * c].view(b - a, c) if b <= full_rows else columns[a]
-            else:
-                out = columns[a]
+        c, d = self.c, self.d
+        acc = self.totals[a]
+        arrived = self.slots64[: stop - start, : b - a]
+        arrived.copy_(self.observations[start:stop, a:b])
+        begin = own_part(self.decode_own, self.columns[a], self.own[:, : b - a]) if start == 0 else None
+        fold_slots(acc, arrived, self.group_weights[start], begin, self.rows_scale)
+        if t == self.rounds and self.decide():
+            out = self.columns[a]
+            if self.data_exponent:
+                acc.mul_(math.ldexp(1.0, self.data_exponent))  # exact; the copy's pieces are not flat's
+                if b <= self.full_rows:
+                    out = self.flat[a * c : b * c].view(b - a, c)
             out.copy_(acc.t())
-            if b > full_rows:  # the copied last piece: its values back into flat
-                flat[a * c :].copy_(out.view(-1)[: d - a * c])
-        timing["decode"] += time.perf_counter() - began
-
-    try:
-        run_rounds(ring, stats, rounds, pieces, prepare, target, posted=posted, landed=landed)
-    finally:
-        if data_exponent:  # held only by calls at the ends of the range
-            stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-            WORKSPACE.release("scaled_input")
-    stats.encode_s += timing["encode"]
-    stats.decode_s += timing["decode"]
-    stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-    return CerarOutcome(maxima=maxima, written=decide())  # decided here if there was no piece
+            if b > self.full_rows:  # the copied last piece: its values back into flat
+                self.flat[a * c :].copy_(out.view(-1)[: d - a * c])
+        self.decode_s += time.perf_counter() - began
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_bool
+from cerar._checks import check_bool, check_choice
+from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
 
 __all__ = ["check_bool", "check_op", "check_stats", "check_tensor", "overlaps_itself"]  # check_bool: from cerar._checks
@@ -84,3 +85,34 @@ def check_op(op: Any) -> str:
 def check_stats(stats: Any) -> None:
     if stats is not None and not isinstance(stats, CommStats):
         raise TypeError(f"Argument 'stats' must be a cerar.comm.stats.CommStats or None, not {type(stats).__name__}.")
+
+
+PACKET_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_packet_dtype(packet_dtype: Any) -> torch.dtype | None:
+    """``packet_dtype`` checked: None, float32, float64, float16 or bfloat16."""
+    if packet_dtype not in PACKET_DTYPES:
+        raise ValueError(
+            f"Argument 'packet_dtype' must be None, torch.float32, torch.float64, torch.float16 or "
+            f"torch.bfloat16, not {packet_dtype!r}."
+        )
+    return packet_dtype
+
+
+def check_coded_call(
+    tensor: Any, op: Any, async_op: Any, nonfinite: Any, packet_dtype: Any, code: Any, stats: Any
+) -> tuple[str, bool, str, torch.dtype | None]:
+    """The argument checks every CERAR collective runs on the caller's thread before anything is
+    queued: ``(op, async_op, nonfinite, packet_dtype)`` normalised (``code`` a Code or None)."""
+    from cerar.coding.code import Code  # the maths layer; here to keep this module's imports light
+
+    check_tensor(tensor)
+    reduce_op = check_op(op)
+    async_op = check_bool("async_op", async_op)
+    nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+    packet_dtype = check_packet_dtype(packet_dtype)
+    if code is not None and not isinstance(code, Code):
+        raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(code).__name__}.")
+    check_stats(stats)
+    return reduce_op, async_op, nonfinite, packet_dtype

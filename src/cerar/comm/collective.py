@@ -40,13 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_choice, check_float
+from cerar._checks import check_float
 from cerar.coding import codes
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import precision_name
 from cerar.coding.scaling import ring_needs_scale, ring_scale_exponent
 from cerar.comm.algorithms import cerar_scale_window, run_cerar, run_ring
-from cerar.comm.call_checks import check_bool, check_op, check_stats, check_tensor
+from cerar.comm.call_checks import check_bool, check_coded_call, check_op, check_stats, check_tensor
 from cerar.comm.groups import count_call, group_state
 from cerar.comm.handshake import SettingsMismatchError, handshake, max_abs, settings_hash
 from cerar.comm.policies import NONFINITE_POLICIES
@@ -126,18 +126,9 @@ def all_reduce(
     rounds, and a call whose data left the range of the scale it started with (the previous
     call's of its size) is redone at one that fits, the same on every rank (``stats.rescales``).
     """
-    check_tensor(tensor)
-    reduce_op = check_op(op)
-    async_op = check_bool("async_op", async_op)
-    nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-    if packet_dtype not in _PACKET_DTYPES:
-        raise ValueError(
-            f"Argument 'packet_dtype' must be None, torch.float32, torch.float64, torch.float16 or "
-            f"torch.bfloat16, not {packet_dtype!r}."
-        )
-    if code is not None and not isinstance(code, Code):
-        raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(code).__name__}.")
-    check_stats(stats)
+    reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(
+        tensor, op, async_op, nonfinite, packet_dtype, code, stats
+    )
     ring = _ring(group)
     if ring is None:
         return None
@@ -255,9 +246,6 @@ def shutdown(timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
     if stopped:
         WORKSPACE.clear()  # only the thread used it, and it is gone
     return stopped
-
-
-_PACKET_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _count_call(group: dist.ProcessGroup | None) -> int:

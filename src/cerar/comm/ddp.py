@@ -80,16 +80,7 @@ def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futu
     return _launch(
         state,
         bucket,
-        lambda buffer, group, call: all_reduce(
-            buffer,
-            "avg",
-            group,
-            True,
-            code=state.code,
-            nonfinite=state.nonfinite,
-            packet_dtype=state.packet_dtype,
-            stats=call,
-        ),
+        lambda buffer, group, call: all_reduce(buffer, "avg", group, True, stats=call, **state.coded_settings()),
         coded=True,
     )
 
@@ -120,12 +111,12 @@ def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool)
             f"Argument 'state' of the cerar DDP hook must be a cerar.ddp.CerarState, not {type(state).__name__}: "
             "register it with ddp_model.register_comm_hook(CerarState(...), hook)."
         )
-    group = state._resolve(coded)
+    group = state.resolve_group(coded, bucket.buffer().dtype)
     buffer = bucket.buffer()
     call, bucket_stats = CommStats(), None
     sparse = buffer.layout != torch.strided
     exact = not sparse and state.exact_path(buffer)  # before the last bucket advances iteration
-    state._bucket_started(bucket.is_last())
+    state.bucket_started(bucket.is_last())
     try:
         if sparse:
             state.sparse_buckets += 1
@@ -135,10 +126,10 @@ def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool)
             state.exact_bytes += buffer.numel() * buffer.element_size()
             future = _exact_average(state.process_group, buffer)
         else:
-            bucket_stats = state._note_bucket(bucket.index(), buffer.numel())
+            bucket_stats = state.note_bucket(bucket.index(), buffer.numel())
             future = start(buffer, group, call).get_future()
     except BaseException:
-        state._bucket_done(None, None)
+        state.bucket_done(None, None)
         raise
 
     def record_stats(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -147,7 +138,7 @@ def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool)
         try:
             return fut.value()[0]
         finally:
-            state._bucket_done(call, bucket_stats)
+            state.bucket_done(call, bucket_stats)
 
     return future.then(record_stats)
 
@@ -181,14 +172,7 @@ def hier_cerar_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.
         state,
         bucket,
         lambda buffer, group, call: hierarchical_all_reduce(
-            buffer,
-            "avg",
-            group,
-            True,
-            ranks_per_node=state.ranks_per_node,
-            code=state.code,
-            nonfinite=state.nonfinite,
-            stats=call,
+            buffer, "avg", group, True, ranks_per_node=state.ranks_per_node, stats=call, **state.coded_settings()
         ),
         coded=True,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from cerar.coding.code import Code
@@ -68,7 +69,7 @@ class HierarchicalState(CerarState):
         super().__setstate__(state)
         self.layout = None
 
-    def _resolve(self, coded: bool) -> dist.ProcessGroup:
+    def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
         """The hook's group, created at the first bucket with the layout and the code for ``M``."""
         from cerar.comm.hierarchical import node_layout
 
@@ -90,10 +91,10 @@ class HierarchicalState(CerarState):
             self.world_size = layout.world_size
             self._comm_group = _new_comm_group(self.process_group)
         if coded and self.code is None:
-            from cerar.comm.collective import default_code
+            from cerar.comm.collective import resolve_code
 
             assert self.layout is not None
-            self.code = default_code(self.layout.nodes)
+            self.code = resolve_code(self.layout.nodes, dtype, self.packet_dtype)
         return self._comm_group
 
     def __repr__(self) -> str:

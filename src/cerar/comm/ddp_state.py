@@ -270,8 +270,19 @@ class CerarState(ReplicaSync):
         nbytes = buffer.numel() * buffer.element_size()
         return self.iteration < self.start_iter or nbytes < self.min_bucket_bytes
 
-    def _resolve(self, coded: bool) -> dist.ProcessGroup:
-        """The hook's group, created (and the code checked or defaulted) at the first bucket."""
+    # ----------------------------------------------------------------------------------------
+    # The hook protocol: what a hook calls on its state for each bucket, in this order
+    # (as PowerSGD's hook calls ``PowerSGDState.maybe_increase_iter``):
+    #   group = state.resolve_group(coded, dtype)   the hook's group (and the code), made once
+    #   exact = state.exact_path(buffer)            the bucket policy, before bucket_started
+    #   state.bucket_started(bucket.is_last())      the step's bookkeeping
+    #   figures = state.note_bucket(index, numel)   the bucket's own statistics (coded buckets)
+    #   state.bucket_done(call, figures)            once the bucket's future completes (or fails)
+
+    def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
+        """The hook's group, created (and the code checked, or for a coded bucket defaulted by
+        :func:`cerar.comm.collective.resolve_code` from the bucket's dtype and ``packet_dtype``)
+        at the first bucket."""
         if self._comm_group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("CerarState needs torch.distributed initialised; call init_process_group first.")
@@ -284,14 +295,18 @@ class CerarState(ReplicaSync):
             self.world_size = world_size
             self._comm_group = _new_comm_group(self.process_group)
         if coded and self.code is None:
-            from cerar.coding.precision import precision_name
-            from cerar.comm.collective import default_code
+            from cerar.comm.collective import resolve_code
 
-            precision = "fp32" if self.packet_dtype is None else precision_name(self.packet_dtype)
-            self.code = default_code(dist.get_world_size(self.process_group), precision)
+            self.code = resolve_code(dist.get_world_size(self.process_group), dtype, self.packet_dtype)
         return self._comm_group
 
-    def _note_bucket(self, index: int, numel: int) -> CommStats:
+    def coded_settings(self) -> dict[str, Any]:
+        """The coded collective's keyword arguments for a bucket: ``code``, ``nonfinite``, ``packet_dtype``."""
+        return {"code": self.code, "nonfinite": self.nonfinite, "packet_dtype": self.packet_dtype}
+
+    def note_bucket(self, index: int, numel: int) -> CommStats:
+        """The statistics kept for bucket ``index`` (started afresh when DDP's rebuilt buckets
+        give the index another size)."""
         # DDP rebuilds its buckets after the first iteration: an index may now hold other
         # parameters, so figures kept under it start again.
         if self.bucket_numel.get(index) != numel:
@@ -306,14 +321,16 @@ class CerarState(ReplicaSync):
         self._step_closing = False
         self._step = CommStats()
 
-    def _bucket_started(self, last: bool) -> None:
+    def bucket_started(self, last: bool) -> None:
+        """A bucket was handed to the hook (``last``: the pass's last bucket, which advances
+        ``iteration``)."""
         with self._lock:
             self._open_buckets += 1
             self._step_closing = self._step_closing or last
             if last:
                 self.iteration += 1
 
-    def _bucket_done(self, call: CommStats | None, bucket_stats: CommStats | None) -> None:
+    def bucket_done(self, call: CommStats | None, bucket_stats: CommStats | None) -> None:
         """Count a finished bucket in; the step is over once its last bucket has started and
         every started bucket has finished (a sparse one may finish after a later dense one)."""
         with self._lock:

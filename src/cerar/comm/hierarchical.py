@@ -58,9 +58,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_choice, check_int
+from cerar._checks import check_int
 from cerar.coding.code import Code
-from cerar.comm.call_checks import check_bool, check_op, check_stats, check_tensor
+from cerar.comm.call_checks import check_bool, check_coded_call, check_op, check_stats, check_tensor
 from cerar.comm.collective import (
     COMM,
     NonFiniteError,
@@ -74,7 +74,6 @@ from cerar.comm.collective import (
 )
 from cerar.comm.groups import group_state
 from cerar.comm.handshake import SettingsMismatchError, handshake, settings_hash
-from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Ring, RingError, group_timeout, post_pair, wait_for
 from cerar.comm.worker_thread import CerarWork
@@ -181,26 +180,24 @@ def hierarchical_all_reduce(
     ranks_per_node: int | None = None,
     code: Code | None = None,
     nonfinite: str = "raise",
+    packet_dtype: torch.dtype | None = None,
     stats: CommStats | None = None,
 ) -> CerarWork | None:
     """Sum (or average) ``tensor`` over ``group``, exactly inside each node and with CERAR
     between nodes, in place; see the module docstring.
 
     Args:
-        tensor, op, group, async_op, stats: as :func:`cerar.all_reduce`.
+        tensor, op, group, async_op, packet_dtype, stats: as :func:`cerar.all_reduce` (the
+            packets are those between nodes).
         ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
             ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
         code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
-            Default: :func:`cerar.comm.collective.default_code` for ``M``.
+            Default: :func:`cerar.comm.collective.resolve_code` for ``M`` and the dtypes.
         nonfinite: ``"raise"``, ``"exact"`` or ``"ignore"`` (see the module docstring).
     """
-    check_tensor(tensor)
-    reduce_op = check_op(op)
-    async_op = check_bool("async_op", async_op)
-    nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-    if code is not None and not isinstance(code, Code):
-        raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(code).__name__}.")
-    check_stats(stats)
+    reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(
+        tensor, op, async_op, nonfinite, packet_dtype, code, stats
+    )
     nodes = _prepare(group, ranks_per_node, tensor.device)
     if nodes is None:
         return None
@@ -208,7 +205,9 @@ def hierarchical_all_reduce(
         raise ValueError(
             f"Argument 'code' must be for the group's {nodes.layout.nodes} nodes, not world_size={code.world_size}."
         )
-    job = functools.partial(_hierarchical_call, tensor.detach(), reduce_op, nodes, "cerar", code, nonfinite, stats)
+    job = functools.partial(
+        _hierarchical_call, tensor.detach(), reduce_op, nodes, "cerar", code, nonfinite, stats, packet_dtype
+    )
     return COMM.submit(job, tensor, async_op)
 
 
@@ -327,6 +326,7 @@ def _hierarchical_call(
     code: Code | None,
     nonfinite: str,
     stats: CommStats | None,
+    packet_dtype: torch.dtype | None = None,
 ) -> None:
     """One hierarchical call.
 
@@ -347,13 +347,13 @@ def _hierarchical_call(
         with _Working(tensor) as flat:
             m = layout.nodes
             if m > 1 and method == "cerar":
-                code = code if code is not None else resolve_code(m, tensor.dtype)
+                code = code if code is not None else resolve_code(m, tensor.dtype, packet_dtype)
             fingerprint = code.fingerprint if code is not None else None
             identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
-            identity += (nonfinite,)
+            identity += (nonfinite, str(packet_dtype))
             summary = (
                 f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
-                f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}"
+                f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}, packets {packet_dtype}"
             )
             handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device)
             if layout.world_size == 1:
@@ -370,7 +370,7 @@ def _hierarchical_call(
                 crossed = True
                 if method == "cerar":
                     policy = "ignore" if nonfinite == "ignore" else "exact"
-                    _cerar_call(shard, "sum", nodes.cross, code, policy, inner)
+                    _cerar_call(shard, "sum", nodes.cross, code, policy, inner, packet_dtype)
                 else:
                     _ring_call(shard, "sum", nodes.cross, None, inner)
                 call.add(inner)
