@@ -432,7 +432,9 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
     for r in doc["results"]:
         assert r["regime"] == "fast" and len(r["times_s"]) == 2 and len(r["rel_errors"]) == 2
         assert r["time_min_s"] <= r["time_median_s"] <= r["time_max_s"]
-        assert r["worst_rel_error"] < 1e-2  # c = N is exact; c = 2N at the design's figure
+        # Two ranks decode exactly whatever c is: float32 rounding only, or a 16-bit wire's.
+        wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8}.get(r["method"], 2.0**-24)
+        assert r["worst_rel_error"] < 4 * wire, (r["method"], r["components"], r["worst_rel_error"])
     assert (tmp_path / "out" / "bench.json").exists()
     assert (tmp_path / "out" / "time_vs_size.png").stat().st_size > 0
     assert (tmp_path / "out" / "ratio_vs_theory.png").stat().st_size > 0

@@ -138,11 +138,10 @@ def test_overlap_detection_matches_brute_force() -> None:
     assert min(found.values()) > 50  # both outcomes well covered
 
 
-def test_overlap_check_of_a_huge_broadcast_is_instant() -> None:
-    started = time.perf_counter()
+def test_overlap_check_of_a_huge_broadcast_needs_no_pass_over_it() -> None:
+    # 10**12 elements: a check that visited them would never finish (the suite's hang guard).
     assert _overlaps_itself(torch.ones(1).expand(10**12))
     assert not _overlaps_itself(torch.ones(10**6)[::3])
-    assert time.perf_counter() - started < 0.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +265,7 @@ def test_calls_from_a_second_thread_are_refused_while_the_first_ones_are_in_flig
         "RuntimeError: cerar: thread 'intruder' made a call while 1 call(s) of thread 'MainThread' are in flight."
     )
     assert "must come from one thread at a time" in zero["refused"]
-    assert zero["refused_in_s"] < 1.5 and zero["first_done_then"] is False  # before the ring ran
+    assert zero["first_done_then"] is False  # refused before the first thread's call had run
     for out in results:
         assert out["handover"] is None
         assert out["values"] == [3.0, 3.0, 3.0]

@@ -1,0 +1,20 @@
+"""Markers by what a test does, so that ``make test-fast`` (``-m "not multirank"``) stays in one
+process: every test under ``tests/multirank`` and every test that uses a fixture which starts
+ranks is marked ``multirank``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+MULTIRANK_DIR = Path(__file__).resolve().parent / "multirank"
+#: Fixtures that start Gloo ranks (tests/unit/test_gradient_study.py captures gradients on 2).
+RANK_FIXTURES = {"captured"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        in_dir = MULTIRANK_DIR in Path(str(item.fspath)).resolve().parents
+        if in_dir or RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.multirank)
