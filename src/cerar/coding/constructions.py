@@ -36,9 +36,8 @@ __all__ = [
 
 
 #: The largest ``c`` that :func:`perturbed` and :func:`vandermonde` build when ``c > N``, checked
-#: before any work. A build costs an O(c^3) inverse per candidate of the ~40 the tuning tries:
-#: measured for ``perturbed(4, c)`` on one free core, 0.07 s at c = 64, 0.2 s at 128, 0.6 s at 256,
-#: 4.2 s at 512 (46-50 s per rank when four ranks share two cores). And codes that large are noise:
+#: before any work. A build costs an O(c^3) inverse per candidate of the ~40 the tuning tries, so
+#: the time grows eightfold per doubling of ``c`` (seconds from c = 512). And codes that large are noise:
 #: the predicted fp32 error of ``perturbed(4, c)`` is 0.46 at c = 64 and 1.1 at c = 256; no code
 #: with ``c >= 16 N`` meets :data:`cerar.coding.code.MAX_ERROR` even at fp64.
 MAX_COMPONENTS = 256

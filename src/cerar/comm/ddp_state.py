@@ -33,11 +33,10 @@ __all__ = ["DEFAULT_MIN_BUCKET_BYTES", "CerarState"]
 logger = logging.getLogger("cerar.comm.ddp")
 
 
-#: :class:`CerarState`'s default ``min_bucket_bytes``: 2 MiB, the measured crossover below which
-#: CERAR is slower than Gloo's all-reduce on the slow network (``cerar bench --regime slow -N 4
-#: -c 8``, 400 Mbit/s, with the per-call handshake: 1.19-1.29x builtin's time at 1 MB, 0.93-0.96x
-#: at 4 MB; the alpha-beta fit crosses at 2.4-3.2 MB). 2 MiB sits between the measured points
-#: on the side of using CERAR; re-measure it when CERAR's per-call fixed cost changes.
+#: :class:`CerarState`'s default ``min_bucket_bytes``: 2 MiB, the crossover below which CERAR's
+#: fixed cost per call (its ``c + N - 2`` rounds and the handshake) outweighs the bytes it saves
+#: against Gloo's all-reduce on the slow network (``cerar bench --regime slow -N 4 -c 8``; the
+#: figures are in ``docs/results.md``). Re-measure it when CERAR's per-call fixed cost changes.
 DEFAULT_MIN_BUCKET_BYTES = 2 * 1024 * 1024
 
 

@@ -23,7 +23,7 @@ ever receives a packet of the wrong size. Only point-to-point messages, with cer
 so the handshake can never pair with a collective the program runs on the same group from
 another thread (an all-reduce there aborted ranks with Gloo's "Received data size doesn't match
 expected size"). Its cost is ``ceil(log2 N)`` one-way latencies of a 48-byte message (a hop
-costs about 1 ms here, four ranks on two cores). It cannot ride beside the first data rounds
+is a small share of a call's fixed cost). It cannot ride beside the first data rounds
 instead: a rank whose size differs would send a packet larger than its peer's receive, and
 Gloo aborts the receiving process (``op.preamble.length <= op.nbytes``), it does not raise.
 

@@ -147,9 +147,8 @@ def post_pair(
     with the receive it pairs with (``batch_isend_irecv`` runs them under one NCCL group), as
     separate ``isend``/``irecv`` calls create two-rank communicators lazily and can deadlock in a
     ring. On the CPU (Gloo, which has no coalescing) ``batch_isend_irecv`` only adds its
-    coalescing manager around the same two calls, and that costs: measured here (4 ranks on 2
-    cores, a ring of 48-byte hops) 0.13-0.20 ms per batch, a hop 0.87-0.90 ms batched against
-    0.49-0.79 ms plain. So CPU tensors take the two plain calls, receive first (Gloo's send
+    coalescing manager around the same two calls, which costs a sizeable share of a small hop
+    (``docs/results.md``). So CPU tensors take the two plain calls, receive first (Gloo's send
     waits for the peer's receive).
     """
     try:

@@ -20,19 +20,16 @@ Launchers: ``direct`` (the default) starts every rank itself, with the environme
 ``torchrun`` starts only one ``torchrun --nnodes M --nproc-per-node G`` agent per node (in the
 node's namespace in ``slow``), with a c10d rendezvous at node 0 (or ``rdzv="static"``), and
 torchrun starts the ranks, as on a real cluster (:mod:`cerar.harness.torchrun`). Its start-up
-costs each node one more Python process with torch (the agent) and the rendezvous. Measured here
-(2 nodes x 2 ranks, slow, ranks that join Gloo and all-reduce once; 2 cores at load average 5):
-``direct`` 6.8-11.3 s wall and 11-13 s of CPU per launch, ``torchrun`` 14.2-20.1 s wall and
-19-20 s of CPU, i.e. about 3.5 s of CPU per agent; on loopback 6.7-17.5 s against 9.9-15.8 s.
-The ranks' work is the same either way (once they run, torchrun only watches them), so
-``direct`` stays the default: it starts sooner and keeps each rank's output apart.
+costs each node one more Python process with torch (the agent) and the rendezvous, several
+seconds of CPU each (``docs/results.md``). The ranks' work is the same either way (once they
+run, torchrun only watches them), so ``direct`` stays the default: it starts sooner and keeps
+each rank's output apart.
 
 Why 400 Mbit/s by default: the link must dominate the built-in all-reduce, or the slow regime
-says nothing about slow links. Measured here (4 ranks, 16 MiB float32, `cerar bench`): the TCP
-probe achieves 48.2 MB/s; Gloo's all-reduce takes 0.53 s, 1.01x its wire time
-``1.5 x 16.8 MB / 48.2 MB/s = 0.52 s``, against 0.04 s on loopback: the link is 93% of the time.
-Much faster links bring the two CPU cores back into play (at 1 Gbit/s the wire time of the same
-call is 0.2 s, comparable to the CPU work of the coded methods); slower ones only lengthen the run.
+says nothing about slow links: at 400 Mbit/s Gloo's all-reduce of 16 MiB takes its wire time
+(``x wire`` near 1 in ``cerar bench``'s table), while much faster links bring the CPU back into
+play on a machine with few cores (the coded methods' arithmetic becomes comparable to the wire
+time); slower ones only lengthen the run.
 
 If a rank fails or ``timeout_s`` passes, every rank is killed, the network is removed and
 :class:`LaunchError` names the failed ranks, their exit codes and the tail of their stderr.
