@@ -69,18 +69,18 @@ def test_a_skipped_call_raises_on_every_rank() -> None:
 def _lost_call_worker(rank: int, world: int) -> str:
     """Rank 1's second call fails on its communication thread before its handshake (as when
     copying a non-contiguous input runs out of memory); the others' second call waits for it."""
-    from cerar.comm import collective
+    from cerar.comm import calls
 
     code = codes.perturbed(world, 8)
     cerar.all_reduce(torch.ones(100), code=code)
     if rank == 1:
-        original = collective._Working
+        original = calls.Working
 
         def failing(tensor: torch.Tensor) -> object:
-            collective._Working = original
+            calls.Working = original
             raise MemoryError("simulated: no memory for the working copy")
 
-        collective._Working = failing
+        calls.Working = failing
         with pytest.raises(MemoryError):
             cerar.all_reduce(torch.ones(100), code=code)
     else:

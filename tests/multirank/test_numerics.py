@@ -86,14 +86,14 @@ def test_a_rescaled_call_then_ordinary_data() -> None:
 
 def _scale_disagreement_worker(rank: int, world: int) -> tuple[float, bool]:
     """Ranks whose remembered scales differ (one rank restarted, say) still agree on one."""
-    from cerar.comm import collective
+    from cerar.comm import calls
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
     exact = _gather(x).double().sum(0)
     if rank == 2:
         from cerar.comm.groups import group_state
 
-        ring = collective._ring(None)
+        ring = calls.ring_of(None)
         group_state(None).scale_exponents[(ring.send_to, ring.recv_from, x.numel(), "fp32")] = 40
     cerar.all_reduce(x, code=codes.perturbed(world, 2 * world))
     return float((x.double() - exact).norm() / exact.norm()), bool(torch.isfinite(x).all())

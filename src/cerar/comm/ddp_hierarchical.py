@@ -91,7 +91,7 @@ class HierarchicalState(CerarState):
             self.world_size = layout.world_size
             self._comm_group = _new_comm_group(self.process_group)
         if coded and self.code is None:
-            from cerar.comm.collective import resolve_code
+            from cerar.comm.calls import resolve_code
 
             assert self.layout is not None
             self.code = resolve_code(self.layout.nodes, dtype, self.packet_dtype)

@@ -280,7 +280,7 @@ class CerarState(ReplicaSync):
 
     def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
         """The hook's group, created (and the code checked, or for a coded bucket defaulted by
-        :func:`cerar.comm.collective.resolve_code` from the bucket's dtype and ``packet_dtype``)
+        :func:`cerar.comm.calls.resolve_code` from the bucket's dtype and ``packet_dtype``)
         at the first bucket."""
         if self._comm_group is None:
             if not (dist.is_available() and dist.is_initialized()):
@@ -294,7 +294,7 @@ class CerarState(ReplicaSync):
             self.world_size = world_size
             self._comm_group = _new_comm_group(self.process_group)
         if coded and self.code is None:
-            from cerar.comm.collective import resolve_code
+            from cerar.comm.calls import resolve_code
 
             self.code = resolve_code(dist.get_world_size(self.process_group), dtype, self.packet_dtype)
         return self._comm_group

@@ -64,7 +64,7 @@ def group_state(group: dist.ProcessGroup | None) -> GroupState:
 
 
 def count_call(group: dist.ProcessGroup | None) -> int:
-    """Count a call on ``group`` and return its number (see :func:`cerar.comm.collective._call`)."""
+    """Count a call on ``group`` and return its number (see :func:`cerar.comm.calls.call_context`)."""
     state = group_state(group)
     with _LOCK:
         state.calls += 1

@@ -61,22 +61,12 @@ import torch.distributed as dist
 from cerar._checks import check_int
 from cerar.coding.code import Code
 from cerar.comm.call_checks import check_bool, check_coded_call, check_op, check_stats, check_tensor
-from cerar.comm.collective import (
-    COMM,
-    NonFiniteError,
-    _cerar_call,
-    _count_call,
-    _ring,
-    _ring_call,
-    _Working,
-    get_stats,
-    resolve_code,
-)
-from cerar.comm.groups import group_state
+from cerar.comm.calls import NonFiniteError, Working, cerar_call, resolve_code, ring_call, ring_of
+from cerar.comm.groups import count_call, group_state
 from cerar.comm.handshake import SettingsMismatchError, handshake, settings_hash
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Ring, RingError, group_timeout, post_pair, wait_for
-from cerar.comm.worker_thread import CerarWork
+from cerar.comm.worker_thread import COMM, CerarWork
 
 __all__ = [
     "NodeLayout",
@@ -192,7 +182,7 @@ def hierarchical_all_reduce(
         ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
             ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
         code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
-            Default: :func:`cerar.comm.collective.resolve_code` for ``M`` and the dtypes.
+            Default: :func:`cerar.comm.calls.resolve_code` for ``M`` and the dtypes.
         nonfinite: ``"raise"``, ``"exact"`` or ``"ignore"`` (see the module docstring).
     """
     reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(
@@ -261,7 +251,7 @@ def _prepare(group: dist.ProcessGroup | None, ranks_per_node: int | None, device
        :class:`SettingsMismatchError` on every rank before any group is made).
     3. Create the node groups on this thread, in node order, and cache them.
     """
-    flat = _ring(group)
+    flat = ring_of(group)
     if flat is None:
         return None
     layout = node_layout(group, ranks_per_node)
@@ -281,7 +271,7 @@ def _prepare(group: dist.ProcessGroup | None, ranks_per_node: int | None, device
 
 
 def _agree_layout(flat: Ring, layout: NodeLayout, device: torch.device) -> None:
-    counter = _count_call(flat.group)
+    counter = count_call(flat.group)
     summary = f"hierarchical layout, {layout.nodes} nodes x {layout.ranks_per_node} ranks_per_node"
     handshake(
         flat,
@@ -339,12 +329,12 @@ def _hierarchical_call(
     5. Divide (``avg``) and all-gather inside the node; write back.
     """
     layout = nodes.layout
-    counter = _count_call(nodes.group)
+    counter = count_call(nodes.group)
     started = time.perf_counter()
     call = CommStats()
     crossed = False  # the call across nodes ran and recorded itself in the group's statistics
     try:
-        with _Working(tensor) as flat:
+        with Working(tensor) as flat:
             m = layout.nodes
             if m > 1 and method == "cerar":
                 code = code if code is not None else resolve_code(m, tensor.dtype, packet_dtype)
@@ -370,9 +360,9 @@ def _hierarchical_call(
                 crossed = True
                 if method == "cerar":
                     policy = "ignore" if nonfinite == "ignore" else "exact"
-                    _cerar_call(shard, "sum", nodes.cross, code, policy, inner, packet_dtype)
+                    cerar_call(shard, "sum", nodes.cross, code, policy, inner, packet_dtype)
                 else:
-                    _ring_call(shard, "sum", nodes.cross, None, inner)
+                    ring_call(shard, "sum", nodes.cross, None, inner)
                 call.add(inner)
             if nonfinite == "raise" and method == "cerar":
                 _raise_if_nonfinite(nodes, call, flat)
@@ -385,7 +375,7 @@ def _hierarchical_call(
     finally:
         wall = time.perf_counter() - started
         if not crossed:
-            get_stats(nodes.group).add(CommStats(calls=1, wall_s=wall))
+            group_state(nodes.group).stats.add(CommStats(calls=1, wall_s=wall))
         call.calls, call.wall_s = 1, wall
         if stats is not None:
             stats.add(call)
