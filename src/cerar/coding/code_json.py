@@ -106,8 +106,35 @@ class CodeJson:
             self._fingerprint = hashlib.sha256(self.to_json().encode()).hexdigest()
         return self._fingerprint
 
+    def describe(self) -> str:
+        """Every identifying field at full precision, on one line, for messages that compare codes
+        across ranks: construction, ``N``, ``c``, every parameter (floats as ``repr``, the shortest
+        text that round-trips, so 0.1 and 0.1000001 differ), the decoder, ``spread_seam`` and the
+        first 16 hex digits of :attr:`fingerprint` (which also covers the nodes or rows)."""
+        params = "".join(f", {k}={_full(v)}" for k, v in self.params.items())
+        return (
+            f"{self.construction}(N={self.world_size}, c={self.components}{params}) "
+            f"decoder={self.reference} spread_seam={self.spread_seam} fingerprint={self.fingerprint[:16]}"
+        )
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CodeJson) and self.fingerprint == other.fingerprint
 
     def __hash__(self) -> int:
         return hash(self.fingerprint)
+
+
+def _full(value: Any) -> str:
+    """``repr`` of a parameter with every float (also inside lists, tuples, dicts) as a Python float."""
+    if isinstance(value, (bool, np.bool_)):
+        return repr(bool(value))
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))
+    if isinstance(value, (int, np.integer)):
+        return repr(int(value))
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_full(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_full(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    return repr(value)
