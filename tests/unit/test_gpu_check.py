@@ -45,3 +45,26 @@ def test_the_collective_check_runs_on_gloo_and_the_cpu() -> None:
     assert set(worst) == set(module.COLLECTIVE_LIMITS)
     for name, error in worst.items():
         assert error <= module.COLLECTIVE_LIMITS[name], (name, error)
+
+
+def test_its_kernels_agree_with_an_independent_float64_reference() -> None:
+    """The encode and decode the script times, on the CPU, against numpy in float64 from the
+    plan's matrices (not against themselves): the last round's packet is the sum of every
+    round's increment, and the sum is ``D X + W R``."""
+    import numpy as np
+
+    module = _load()
+    code, rank, m = codes.perturbed(4, 8), 2, 5000
+    c = code.components
+    plan = module._torch_plan(code, rank, module.torch.device("cpu"))
+    generator = module.torch.Generator().manual_seed(0)
+    own = module.torch.randn(m, c, generator=generator)
+    obs = module.torch.randn(c, m, generator=generator)
+    rows = plan.increments.float()
+    packets = module._encode(rows, own, module.torch.empty(2, m))
+    last = packets[rows.shape[0] % 2].double().numpy()
+    expected = plan.increments.numpy().sum(axis=0) @ own.double().numpy().T
+    assert np.linalg.norm(last - expected) <= 1e-5 * np.linalg.norm(expected)
+    total = module._decode(plan, own, obs, module.torch.empty(c, m, dtype=module.torch.float64)).numpy()
+    reference = plan.decode_own.numpy() @ own.double().numpy().T + plan.decode_obs.numpy() @ obs.double().numpy()
+    assert np.linalg.norm(total - reference) <= 1e-6 * np.linalg.norm(reference)
