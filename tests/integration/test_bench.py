@@ -549,3 +549,33 @@ def test_slow_unavailable_falls_back_to_fast(monkeypatch: pytest.MonkeyPatch) ->
     assert any("slow regime unavailable: network namespaces need root (test)" in m for m in messages)
     assert doc["notes"] and "running fast only" in doc["notes"][0]
     validate_document(doc)
+
+
+def test_coding_limit_counts_the_bytes_the_coding_must_move() -> None:
+    from cerar.experiments.bench.limit import coding_bytes_per_value, copy_bandwidth
+    from cerar.experiments.bench.methods import get_method
+
+    # float32, N = 4, c = 8 (L = 10): encode 4 (1 + 10/8) = 9, decode 4 + 2 x 4 = 12.
+    assert coding_bytes_per_value(get_method("cerar"), 4, 8) == 21.0
+    assert coding_bytes_per_value(get_method("cerar-fp16"), 4, 8) == 19.0  # 2-byte observations
+    # Hierarchical: the ring is over M = 2 nodes (L = c).
+    assert coding_bytes_per_value(get_method("hier-cerar"), 4, 8, ranks_per_node=2) == 4 * 2 + 4 + 8
+    assert coding_bytes_per_value(get_method("builtin"), 4, None) is None
+    assert copy_bandwidth(1 << 20, repeats=2) > 0
+
+
+def test_bench_records_the_coding_limit_for_coded_cases() -> None:
+    from cerar.experiments.bench.schema import make_record
+
+    raw = {
+        "case": {"method": "cerar", "size_bytes": 1 << 20, "components": 8, "construction": "perturbed"},
+        "times_s": [0.1, 0.1], "encode_s": [0.002, 0.002], "decode_s": [0.003, 0.003],
+        "handshake_s": [0.001], "bytes_sent": [1.0], "wire_bytes": [], "rel_errors": [1e-4] * 4,
+        "copy_bandwidth": 1e9,
+    }  # fmt: skip
+    record = make_record(raw, "fast", 4, None)
+    limit = 21 * (1 << 18) / 1e9
+    assert record["coding_limit_s"] == pytest.approx(limit)
+    assert record["coding_limit_ratio"] == pytest.approx(0.005 / limit)
+    builtin = make_record({**raw, "case": {"method": "builtin", "size_bytes": 1 << 20}}, "fast", 4, None)
+    assert builtin["coding_limit_s"] is None and builtin["coding_limit_ratio"] is None

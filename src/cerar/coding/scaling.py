@@ -141,7 +141,9 @@ def scale_window(code: Code, data: object, packet: object, decode_gain: float) -
     its products overflow the data's dtype at every packet level the format admits).
     """
     data_name, packet_name = precision_name(data, "data"), precision_name(packet, "packet_dtype")
-    values, wire, wide = FORMATS[data_name], FORMATS[packet_name], FORMATS["fp64"]
+    # The decode's sum: float64, or float32 for 16-bit packets (cerar.comm.algorithms.accumulator_dtype).
+    wide = FORMATS["fp32" if packet_name in ("fp16", "bf16") else "fp64"]
+    values, wire = FORMATS[data_name], FORMATS[packet_name]
     log_gain = math.log2(code.world_size * packet_gain(code))
     log_decode = math.log2(max(decode_gain, 1.0))
     log_rows = math.log2(2 * packet_gain(code))  # an increment row is a difference of two injection rows
@@ -150,7 +152,7 @@ def scale_window(code: Code, data: object, packet: object, decode_gain: float) -
     top = min(
         float(wire.top - 1),  # the packets themselves (N G M bounds them)
         values.top - _HEADROOM - log_decode + log_gain,  # D X / s in the data's dtype
-        wide.top - _HEADROOM - log_decode - _FOLD_ROOM,  # W R in float64, with room for r
+        wide.top - _HEADROOM - log_decode - _FOLD_ROOM,  # W R in the accumulator, with room for r
     )
     if top < bottom + 1:
         raise ValueError(
@@ -160,7 +162,7 @@ def scale_window(code: Code, data: object, packet: object, decode_gain: float) -
         )
     target = top - _GROWTH if wire.span < _NARROW_SPAN else None
     # r's limits: the rows and D / 2**r are numbers of the data's dtype whose largest entries stay
-    # normal; W 2**r is float64, and times packets up to 2**top it must not overflow; the input
+    # normal; W 2**r is in the accumulator's dtype, and times packets up to 2**top it must not overflow; the input
     # copy X / 2**(e - r) must stay in the data's dtype (packets at the top: X up to 2**(top - log_gain + r)).
     rows_low = math.ceil(max(log_rows, log_decode) - (values.top - _HEADROOM))
     rows_high = math.floor(
@@ -171,7 +173,7 @@ def scale_window(code: Code, data: object, packet: object, decode_gain: float) -
             values.top - _HEADROOM - top + log_gain,
         )
     )
-    # W 2**r stays normal, and so does the float64 sum (about 2**(P - log_gain + r)): its
+    # W 2**r stays normal, and so does the accumulated sum (about 2**(P - log_gain + r)): its
     # products cancel down from 2**(P + r + log_decode), and subnormals would drop those bits.
     rows_low = max(rows_low, math.ceil(wide.tiny + wide.bits - log_decode), math.ceil(wide.tiny + log_gain - bottom))
     if rows_low > rows_high:

@@ -84,6 +84,11 @@ def cerar_scale_window(code: Code, data: torch.dtype, packet: torch.dtype) -> Sc
     return _WINDOWS[key]
 
 
+def accumulator_dtype(packet: torch.dtype) -> torch.dtype:
+    """The dtype CERAR's decode accumulates in: float32 for 16-bit packets, float64 otherwise."""
+    return torch.float32 if packet in (torch.float16, torch.bfloat16) else torch.float64
+
+
 def rounds_per_product(components: int) -> int:
     """Rounds whose increments one product computes: ``max(4, c // 2)``. MKL picks a much faster
     kernel for a ``(B, c) x (c, w)`` product from ``B = 4`` rows on (about four times faster per
@@ -120,9 +125,10 @@ def fold_slots(
     total: torch.Tensor, arrived: torch.Tensor, weights: torch.Tensor, start: torch.Tensor | None = None,
     scale: float = 1.0,
 ) -> None:  # fmt: skip
-    """Fold a group of ``k`` observation slots of one piece into the float64 sum ``total``
-    (``(c, w)``, the piece's component matrix): ``total += weights @ arrived`` (``weights`` the
-    group's ``(c, k)`` columns of ``W``, times ``scale``; ``arrived`` float64 ``(k, w)``). With
+    """Fold a group of ``k`` observation slots of one piece into the sum ``total`` (``(c, w)``,
+    the piece's component matrix, in the accumulator's dtype: float64, float32 for 16-bit
+    packets): ``total += weights @ arrived`` (``weights`` the group's ``(c, k)`` columns of ``W``,
+    times ``scale``; ``arrived`` ``(k, w)`` in the same dtype). With
     ``start`` (the piece's :func:`own_part`) the accumulator starts from it, times ``scale`` (a
     power of two: exact): ``total = scale start + weights @ arrived``."""
     if start is None:
@@ -214,7 +220,10 @@ class CerarRun:
         self.rows_exponent, self.data_exponent = scale_exponents
         self.rows_scale = math.ldexp(1.0, self.rows_exponent)  # |r| stays far inside float64
         self._increment_rows(plan, dtype)
-        weights = plan.decode_obs * self.rows_scale  # column s: slot s's weights, times 2**r
+        # The sum accumulates in the precision the packets need: float64 for float32/float64
+        # packets, float32 for 16-bit ones, whose own rounding dwarfs float32's.
+        self.acc_dtype = accumulator_dtype(packet)
+        weights = (plan.decode_obs * self.rows_scale).to(self.acc_dtype)  # column s: slot s's weights, times 2**r
         groups = slot_groups(c)
         self.group_weights = {start: weights[:, start:stop].contiguous() for start, stop in groups}
         self.group_of_last_slot = {stop - 1: (start, stop) for start, stop in groups}
@@ -228,7 +237,7 @@ class CerarRun:
         self.encoded = WORKSPACE.get("encoded", (m,), dtype, device) if self.widen else None
         self.own = WORKSPACE.get("own_part", (c, widest), dtype, device)
         deepest = max(stop - start for start, stop in groups)
-        self.slots64 = WORKSPACE.get("slots64", (deepest, widest), torch.float64, device)
+        self.arrived = WORKSPACE.get("arrived", (deepest, widest), self.acc_dtype, device)
         # Observation rounds receive straight into their slot (kept until the slot's group is
         # folded); rounds before them into two alternating scratch packets.
         self.observations = WORKSPACE.get("observations", (c, m), packet, device)
@@ -251,7 +260,7 @@ class CerarRun:
     def _piece_views(self, dtype: torch.dtype, device: torch.device) -> None:
         """Per piece (keyed by its first column): its rows as a ``(w, c)`` view of the source (the
         last piece copied and zero padded if ``c`` does not divide ``d``), its batch of increments
-        ``(B, w)`` and its float64 sum ``(c, w)``, each contiguous. The source is ``flat``, or near
+        ``(B, w)`` and its sum ``(c, w)`` in the accumulator's dtype, each contiguous. The source is ``flat``, or near
         the ends of the dtype's range a copy divided by ``2**q`` (exact), released after the call."""
         c, d, m = self.c, self.d, math.ceil(self.d / self.c)
         source = self.flat
@@ -262,7 +271,7 @@ class CerarRun:
         self.increments: dict[int, torch.Tensor] = {}
         self.totals: dict[int, torch.Tensor] = {}
         increment_flat = WORKSPACE.get("increments", (self.per_product * m,), dtype, device)
-        total_flat = WORKSPACE.get("decoded", (c * m,), torch.float64, device)
+        total_flat = WORKSPACE.get("decoded", (c * m,), self.acc_dtype, device)
         for a, b in self.pieces:
             if b <= self.full_rows:
                 self.columns[a] = source[a * c : b * c].view(b - a, c)
@@ -348,17 +357,16 @@ class CerarRun:
         start, stop = group
         c, d = self.c, self.d
         acc = self.totals[a]
-        arrived = self.slots64[: stop - start, : b - a]
+        arrived = self.arrived[: stop - start, : b - a]
         arrived.copy_(self.observations[start:stop, a:b])
         begin = own_part(self.decode_own, self.columns[a], self.own[:, : b - a]) if start == 0 else None
         fold_slots(acc, arrived, self.group_weights[start], begin, self.rows_scale)
         if t == self.rounds and self.decide():
             out = self.columns[a]
-            if self.data_exponent:
-                acc.mul_(math.ldexp(1.0, self.data_exponent))  # exact; the copy's pieces are not flat's
-                if b <= self.full_rows:
-                    out = self.flat[a * c : b * c].view(b - a, c)
+            if self.data_exponent and b <= self.full_rows:  # the scaled copy's pieces are not flat's
+                out = self.flat[a * c : b * c].view(b - a, c)
             out.copy_(acc.t())
+            scale_by_power_of_two(out, self.data_exponent)  # exact, in the data's dtype
             if b > self.full_rows:  # the copied last piece: its values back into flat
                 self.flat[a * c :].copy_(out.view(-1)[: d - a * c])
         self.decode_s += time.perf_counter() - began

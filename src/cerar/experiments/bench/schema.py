@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cerar._version import __version__
+from cerar.experiments.bench.limit import coding_bytes_per_value
 from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, get_method
 from cerar.experiments.bench.stats import algbw as algbw_of
 from cerar.experiments.bench.stats import busbw, summarize
@@ -59,6 +60,9 @@ RECORD_KEYS: dict[str, tuple[type, ...]] = {
     "encode_s": (float, type(None)),
     "decode_s": (float, type(None)),
     "handshake_s": (float, type(None)),
+    "copy_bandwidth_bytes_per_s": (float, type(None)),
+    "coding_limit_s": (float, type(None)),
+    "coding_limit_ratio": (float, type(None)),
     "worst_rel_error": (float,),
     "rel_errors": (list,),
     "ratio_to_builtin": (float, type(None)),
@@ -92,6 +96,12 @@ def make_record(
         sent, source = theory, "theory"
     wire = float(statistics.median(raw["wire_bytes"])) if raw.get("wire_bytes") else None
     errors = [float(e) for e in raw["rel_errors"]]
+    encode = float(statistics.median(raw["encode_s"])) if raw.get("encode_s") else None
+    decode = float(statistics.median(raw["decode_s"])) if raw.get("decode_s") else None
+    bandwidth = raw.get("copy_bandwidth")
+    per_value = coding_bytes_per_value(method, world_size, components, ranks_per_node)
+    coded_values = size // 4 // (ranks_per_node if method.hierarchical else 1)
+    limit = per_value * coded_values / bandwidth if per_value and bandwidth else None
     return {
         "method": method.name,
         "components": components,
@@ -112,9 +122,12 @@ def make_record(
         "theory_bytes_per_rank": theory,
         "wire_bytes_per_rank": wire,
         "wire_limit_s": sent / link_rate if link_rate else None,
-        "encode_s": float(statistics.median(raw["encode_s"])) if raw.get("encode_s") else None,
-        "decode_s": float(statistics.median(raw["decode_s"])) if raw.get("decode_s") else None,
+        "encode_s": encode,
+        "decode_s": decode,
         "handshake_s": float(statistics.median(raw["handshake_s"])) if raw.get("handshake_s") else None,
+        "copy_bandwidth_bytes_per_s": float(bandwidth) if bandwidth else None,
+        "coding_limit_s": limit,
+        "coding_limit_ratio": (encode + decode) / limit if limit and None not in (encode, decode) else None,
         "worst_rel_error": max(errors),
         "rel_errors": errors,
         "ratio_to_builtin": None,

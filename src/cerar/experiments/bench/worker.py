@@ -154,7 +154,22 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
         "inter_node_bytes": inter_node,
         "node_wire_bytes": reduce_max(node_wire),
         "rel_errors": [float(e.item()) for e in errors],
+        "copy_bandwidth": config.get("copy_bandwidth"),
     }
+
+
+def _slowest_copy_bandwidth() -> float:
+    """The copy rate (:func:`cerar.experiments.bench.limit.copy_bandwidth`) measured on every rank
+    at once, as their coding runs; the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from cerar.experiments.bench.limit import copy_bandwidth
+
+    dist.barrier()
+    rate = torch.tensor([copy_bandwidth()], dtype=torch.float64)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = json.loads(Path(args[0]).read_text())
     with rank_process() as me:
         rank, world_size = me.rank, me.world_size
+        config["copy_bandwidth"] = _slowest_copy_bandwidth()
         cases = config["cases"]
         per_case = int(config["warmup"]) + int(config["iters"]) + 1
         progress = _Progress(per_case * len(cases), enabled=rank == 0)

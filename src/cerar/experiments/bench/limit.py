@@ -1,0 +1,51 @@
+"""The limit CERAR's coding is judged against: the bytes it must move, at the machine's copy speed.
+
+A call's coding (``CommStats.encode_s + decode_s``) is memory-bound arithmetic, so the floor for
+any implementation is the memory traffic it cannot avoid, at the rate this machine copies memory:
+
+* encode: read the input once and write every round's increment (``L = c + N - 2`` rounds of
+  ``d / c`` values, in the data's dtype): ``s_x (1 + L / c)`` bytes per value;
+* decode: read the ``c`` observations (``d`` values in the packet dtype), read the input again
+  for the own part, write the sum: ``s_p + 2 s_x`` bytes per value.
+
+:func:`copy_bandwidth` measures the rate (bytes read plus bytes written per second by
+``dst.copy_(src)`` of a buffer far larger than the caches), on every rank at once, as the coding
+runs; ``cerar bench`` records ``coding_limit_s`` and ``coding_limit_ratio`` (coding time over
+the limit) per coded case. Exact methods have no coding: their limit is None.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+#: Bytes per value of the packets each coded method sends.
+_PACKET_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def coding_bytes_per_value(
+    method: Any, world_size: int, components: int | None, ranks_per_node: int = 1, data_bytes: int = 4
+) -> float | None:
+    """Bytes the coding of ``method`` must read and write per value it codes (None: no coding;
+    a hierarchical method codes each rank's shard, ``1 / G`` of the input, over ``M`` nodes)."""
+    if not method.coded or components is None:
+        return None
+    rounds = components + method.ring_size(world_size, ranks_per_node) - 2
+    packet = _PACKET_BYTES.get(method.packet_precision, 4)
+    return data_bytes * (1 + rounds / components) + packet + 2 * data_bytes
+
+
+def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Bytes read plus written per second by ``torch.Tensor.copy_`` of ``nbytes`` (median)."""
+    import torch
+
+    source = torch.ones(nbytes // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)  # fault the pages in
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - started)
+    return 2 * nbytes / statistics.median(times)
