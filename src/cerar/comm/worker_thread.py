@@ -61,9 +61,10 @@ class _DeviceSync:
     """The events that order one call on an accelerator with its caller's streams (see the
     module docstring); CPU calls have none."""
 
-    __slots__ = ("device", "done", "ready")
+    __slots__ = ("device", "done", "ready", "tensor")
 
     def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
         self.device = tensor.device
         self.ready = torch.cuda.Event()
         self.ready.record(torch.cuda.current_stream(self.device))
@@ -75,6 +76,9 @@ class _DeviceSync:
         stream = _dedicated_stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(self.ready)
+            # The caller's tensor is used on cerar's stream: the caching allocator must not hand
+            # its memory out again before that stream is done with it (as ProcessGroupNCCL does).
+            self.tensor.record_stream(stream)
             try:
                 yield
             finally:
