@@ -9,7 +9,8 @@ ranks and ``G`` the code's *packet gain*, the largest 1-norm of an injection row
 * below the packet format's overflow, and far enough above its subnormals that the largest
   values keep their precision (30% of the format's exponent range, at least 24 binades);
 * low enough that the decode does not overflow either: the own part ``D X / s`` is computed in
-  the data's dtype and the observations' part ``W R`` in float64, and the decoder's entries reach
+  the data's dtype and the observations' part ``W R`` in the accumulator's (float64, float32 for
+  16-bit packets), and the decoder's entries reach
   ``H`` (its *decode gain*, up to ``2**42`` for the float64 designs), so ``P`` stays ``log2 H``
   below those dtypes' tops.
 
@@ -18,7 +19,7 @@ decoder (``s_rows = 2**r``). The rows are numbers of the data's dtype and the de
 float64, so ``r`` has limits of its own (:meth:`ScaleWindow.split`); past them, for inputs near the
 ends of the data's range (float32 data near ``1e38`` or ``1e-38`` with float16 packets, float64
 data near ``1e308`` or its subnormals), the remaining factor ``s_data = 2**(e - r)`` scales a copy
-of the input (exact, one pass) and multiplies the float64 sum before it is written.
+of the input (exact, one pass) and multiplies the decoded sum as it is written.
 
 For float32 and bfloat16 packets the window is wide, so ``s = 1`` serves every ordinary
 gradient; float16's is a few binades, so its scale follows the data (``target``).

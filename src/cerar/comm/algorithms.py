@@ -191,8 +191,8 @@ class CerarRun:
        to what arrived, in ``packet_dtype`` (default ``flat``'s dtype; a 16-bit packet is
        computed in ``flat``'s dtype and rounded once): the critical path is that one add.
     3. Observations arrive straight into their slot (:meth:`target`) and are folded into a
-       float64 accumulator a group of slots at a time, times ``2**r`` (:meth:`landed`, once the
-       piece's next round is on the wire).
+       float64 accumulator (float32 for 16-bit packets) a group of slots at a time, times
+       ``2**r`` (:meth:`landed`, once the piece's next round is on the wire).
     4. When the last round's piece lands, the chain has long completed: ``accept(maxima)``
        decides, the same on every rank, and the piece's sum, times ``2**q``, is written (or
        nothing is, and ``flat`` keeps its input for the caller's fallback or redo).
