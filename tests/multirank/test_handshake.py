@@ -139,7 +139,7 @@ def _maxima_chain_worker(rank: int, world: int) -> list[float]:
 
     ring = Ring.of(None)
     chain = handshake.MaximaChain(ring, torch.device("cpu"))
-    chain.set_own(float("nan") if rank in (1, 3) else float(rank + 1))
+    chain.set_own_from(torch.tensor([float("nan") if rank in (1, 3) else float(rank + 1), -0.5]))
     chain.step(2)  # one hop carried by a "data round"; the other N-2 run in maxima()
     return chain.maxima(3)
 

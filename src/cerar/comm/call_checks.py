@@ -90,11 +90,12 @@ def check_stats(stats: Any) -> None:
 PACKET_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def check_packet_dtype(packet_dtype: Any) -> torch.dtype | None:
-    """``packet_dtype`` checked: None, float32, float64, float16 or bfloat16."""
+def check_packet_dtype(packet_dtype: Any, name: str = "packet_dtype") -> torch.dtype | None:
+    """``packet_dtype`` (or the argument ``name``, a ring's ``wire_dtype``) checked: None,
+    float32, float64, float16 or bfloat16."""
     if packet_dtype not in PACKET_DTYPES:
         raise ValueError(
-            f"Argument 'packet_dtype' must be None, torch.float32, torch.float64, torch.float16 or "
+            f"Argument {name!r} must be None, torch.float32, torch.float64, torch.float16 or "
             f"torch.bfloat16, not {packet_dtype!r}."
         )
     return packet_dtype

@@ -39,7 +39,14 @@ import torch.distributed as dist
 from cerar._checks import check_float
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import precision_name
-from cerar.comm.call_checks import check_bool, check_coded_call, check_op, check_stats, check_tensor
+from cerar.comm.call_checks import (
+    check_bool,
+    check_coded_call,
+    check_op,
+    check_packet_dtype,
+    check_stats,
+    check_tensor,
+)
 from cerar.comm.calls import (
     NonFiniteError,
     cerar_call,
@@ -163,11 +170,7 @@ def ring_all_reduce(
     check_tensor(tensor)
     reduce_op = check_op(op)
     async_op = check_bool("async_op", async_op)
-    if wire_dtype not in (None, torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"Argument 'wire_dtype' must be None, torch.float32, torch.float64, torch.float16 or "
-            f"torch.bfloat16, not {wire_dtype!r}."
-        )
+    wire_dtype = check_packet_dtype(wire_dtype, "wire_dtype")
     check_stats(stats)
     ring = ring_of(group)
     if ring is None:

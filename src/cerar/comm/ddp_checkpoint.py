@@ -16,6 +16,7 @@ from typing import Any
 
 from cerar._checks import check_choice, check_float, check_int
 from cerar.coding.code import Code
+from cerar.comm.call_checks import check_packet_dtype
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
 
@@ -156,19 +157,6 @@ def _real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Argument '{name}' must be a real number or None, not {value!r}.")
     return float(value)
-
-
-def check_packet_dtype(value: Any) -> Any:
-    """``packet_dtype``: None or one of torch.float32, float64, float16, bfloat16."""
-    import torch
-
-    allowed = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
-    if value not in allowed:
-        raise ValueError(
-            f"Argument 'packet_dtype' must be None, torch.float32, torch.float64, torch.float16 or "
-            f"torch.bfloat16, not {value!r}."
-        )
-    return value
 
 
 def _packet_dtype(value: Any) -> Any:

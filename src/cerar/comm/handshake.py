@@ -166,9 +166,6 @@ class MaximaChain:
         self.pending: tuple[dist.Work, dist.Work, int] | None = None
         self.hops = 0
 
-    def set_own(self, max_abs: float) -> None:
-        self.own[self.ring.rank] = max_abs if math.isfinite(max_abs) else math.inf
-
     def set_own_from(self, tensor: torch.Tensor) -> None:
         """This rank's slot from ``tensor``'s ``max|x|`` (``inf`` for NaN/Inf), computed where the
         tensor lives: no host synchronisation (the value is read only in :meth:`maxima`)."""
