@@ -133,19 +133,29 @@ def test_nonfinite_decision_is_the_same_on_every_rank(c: int) -> None:
         assert exact_elsewhere
 
 
-def _maxima_chain_worker(rank: int, world: int) -> list[float]:
-    """The chain alone, with fewer data rounds than hops (maxima() runs the rest)."""
-    from cerar.comm.transport import Ring
+def _maxima_chain_worker(rank: int, world: int, packet: str) -> list[float]:
+    """The chain alone, with fewer data rounds than hops: one hop rides in front of a "data
+    packet" of ``packet`` dtype, the other N - 2 run in maxima()."""
+    from cerar.comm.transport import Ring, post_pair
 
+    dtype = getattr(torch, packet)
     ring = Ring.of(None)
-    chain = handshake.MaximaChain(ring, torch.device("cpu"))
+    chain = handshake.MaximaChain(ring, torch.device("cpu"), dtype)
     chain.set_own_from(torch.tensor([float("nan") if rank in (1, 3) else float(rank + 1), -0.5]))
-    chain.step(2)  # one hop carried by a "data round"; the other N-2 run in maxima()
+    send, recv = torch.full((chain.front + 3,), 7.0, dtype=dtype), torch.zeros(chain.front + 3, dtype=dtype)
+    assert chain.carries(2, rounds=2) and not chain.carries(1, rounds=2) and not chain.carries(3, rounds=2)
+    chain.write(send[: chain.front])
+    recv_work, send_work = post_pair(send, recv, ring, 2)
+    recv_work.wait()
+    send_work.wait()
+    chain.absorb(recv[: chain.front])
+    assert recv[chain.front :].tolist() == [7.0] * 3  # the values behind the front are untouched
     return chain.maxima(3)
 
 
-def test_maxima_chain_gives_every_rank_every_maximum() -> None:
-    for maxima in check(run_ranks(_maxima_chain_worker, 5, timeout=60)):
+@pytest.mark.parametrize("packet", ["float64", "float32", "float16", "bfloat16"])
+def test_maxima_chain_gives_every_rank_every_maximum(packet: str) -> None:
+    for maxima in check(run_ranks(_maxima_chain_worker, 5, packet, timeout=60)):
         assert maxima == [1.0, float("inf"), 3.0, float("inf"), 5.0]
 
 

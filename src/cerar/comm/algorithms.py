@@ -71,6 +71,53 @@ def _torch_plan(code: Code, rank: int, device: torch.device) -> _TorchPlan:
     return _PLANS[key]
 
 
+@dataclass(frozen=True)
+class _ScaledMatrices:
+    """A plan's matrices as one call uses them: divided or multiplied by its rows' scale
+    ``2**r`` (exact), in its dtypes, grouped as its products take them."""
+
+    per_product: int
+    batch_rows: list[torch.Tensor]  # per batch, (B, c) in the data's dtype: increments / 2**r, zero padded
+    batch_of: dict[int, tuple[int, int]]  # round -> (batch, row in it)
+    group_weights: dict[int, torch.Tensor]  # first slot -> (c, k) columns of W * 2**r, accumulator dtype
+    group_of_last_slot: dict[int, tuple[int, int]]  # last slot -> (first, stop)
+    decode_own: torch.Tensor  # (c, c) D / 2**r in the data's dtype
+
+
+_SCALED: dict[tuple[str, int, str, torch.dtype, torch.dtype, int], _ScaledMatrices] = {}
+
+
+def _scaled_matrices(
+    code: Code, rank: int, device: torch.device, dtype: torch.dtype, acc_dtype: torch.dtype, rows_exponent: int
+) -> _ScaledMatrices:
+    """The call's matrices, built once per (code, rank, device, dtypes, ``r``): a call of a
+    size already seen only looks them up (DDP repeats its buckets and their scales every step)."""
+    key = (code.fingerprint, rank, str(device), dtype, acc_dtype, rows_exponent)
+    if key not in _SCALED:
+        plan = _torch_plan(code, rank, device)
+        scale, c = math.ldexp(1.0, rows_exponent), code.components
+        per_product = rounds_per_product(c)
+        batches = round_batches(plan.increments.shape[0], per_product)
+        batch_rows = []
+        for first, stop in batches:
+            padded = torch.zeros(per_product, c, dtype=torch.float64, device=device)
+            padded[: stop - first] = plan.increments[first - 1 : stop - 1] / scale
+            batch_rows.append(padded.to(dtype))
+        weights = (plan.decode_obs * scale).to(acc_dtype)  # column s: slot s's weights, times 2**r
+        groups = slot_groups(c)
+        if len(_SCALED) >= 256:  # scales move rarely; bound the cache all the same
+            _SCALED.clear()
+        _SCALED[key] = _ScaledMatrices(
+            per_product=per_product,
+            batch_rows=batch_rows,
+            batch_of={t: (j, t - first) for j, (first, stop) in enumerate(batches) for t in range(first, stop)},
+            group_weights={start: weights[:, start:stop].contiguous() for start, stop in groups},
+            group_of_last_slot={stop - 1: (start, stop) for start, stop in groups},
+            decode_own=(plan.decode_own / scale).to(dtype),  # exact: a power of two
+        )
+    return _SCALED[key]
+
+
 _WINDOWS: dict[tuple[str, str, str], ScaleWindow] = {}
 
 
@@ -182,7 +229,7 @@ class CerarRun:
 
     1. While round 1 is on the wire, one pass over the input finds its ``max|x|`` (``inf`` for
        NaN/Inf, :meth:`posted`); :class:`cerar.comm.handshake.MaximaChain` carries every rank's
-       beside rounds ``2 .. N``.
+       in front of the first piece of rounds ``2 .. N`` (no message of its own).
     2. Each piece's increments are computed ``max(4, c / 2)`` rounds at a time, a batch ahead
        (:meth:`landed`), from ``X / s``: ``s = 2**(r + q)`` for ``scale_exponents = (r, q)``
        (:meth:`cerar.coding.scaling.ScaleWindow.split`), ``2**r`` folded into the increment rows
@@ -219,20 +266,24 @@ class CerarRun:
         self.first_observed = plan.first_observed_round
         self.rows_exponent, self.data_exponent = scale_exponents
         self.rows_scale = math.ldexp(1.0, self.rows_exponent)  # |r| stays far inside float64
-        self._increment_rows(plan, dtype)
         # The sum accumulates in the precision the packets need: float64 for float32/float64
         # packets, float32 for 16-bit ones, whose own rounding dwarfs float32's.
         self.acc_dtype = accumulator_dtype(packet)
-        weights = (plan.decode_obs * self.rows_scale).to(self.acc_dtype)  # column s: slot s's weights, times 2**r
+        scaled = _scaled_matrices(code, ring.rank, device, dtype, self.acc_dtype, self.rows_exponent)
+        self.per_product, self.batch_rows, self.batch_of = scaled.per_product, scaled.batch_rows, scaled.batch_of
+        self.group_weights, self.group_of_last_slot = scaled.group_weights, scaled.group_of_last_slot
+        self.decode_own = scaled.decode_own
         groups = slot_groups(c)
-        self.group_weights = {start: weights[:, start:stop].contiguous() for start, stop in groups}
-        self.group_of_last_slot = {stop - 1: (start, stop) for start, stop in groups}
-        self.decode_own = (plan.decode_own / self.rows_scale).to(dtype)  # exact: a power of two
         self.pieces = segments(m, torch.empty((), dtype=packet).element_size())
         self._piece_views(dtype, device)
         widest = max((b - a for a, b in self.pieces), default=0)
-        self.send = WORKSPACE.get("send", (2, m), packet, device)
-        self.recv = WORKSPACE.get("recv", (2, m), packet, device)  # rounds before the first observation
+        # Every packet row starts with the maxima chain's front (8 N bytes), sent only by the
+        # first piece of rounds 2 .. N; the values follow it.
+        self.chain = MaximaChain(ring, device, packet)
+        f = self.front = self.chain.front
+        self.carrying = frozenset(t for t in range(1, self.rounds + 1) if self.chain.carries(t, self.rounds))
+        self.send = WORKSPACE.get("send", (2, f + m), packet, device)
+        self.recv = WORKSPACE.get("recv", (2, f + m), packet, device)  # rounds before the first observation
         self.widen = packet != dtype  # 16-bit packets: add in flat's dtype, round once
         self.encoded = WORKSPACE.get("encoded", (m,), dtype, device) if self.widen else None
         self.own = WORKSPACE.get("own_part", (c, widest), dtype, device)
@@ -240,22 +291,11 @@ class CerarRun:
         self.arrived = WORKSPACE.get("arrived", (deepest, widest), self.acc_dtype, device)
         # Observation rounds receive straight into their slot (kept until the slot's group is
         # folded); rounds before them into two alternating scratch packets.
-        self.observations = WORKSPACE.get("observations", (c, m), packet, device)
-        self.chain = MaximaChain(ring, device)
+        self.observations = WORKSPACE.get("observations", (c, f + m), packet, device)
+        self.control_bytes = 0  # the chain's, sent inside data packets: not counted as data
         self.encode_s = self.decode_s = 0.0
         self.maxima: list[float] = []
         self.written: bool | None = None  # decided once, after the last round
-
-    def _increment_rows(self, plan: _TorchPlan, dtype: torch.dtype) -> None:
-        """Each batch's increment rows, divided by ``2**r`` (exact), zero padded to a full batch."""
-        per_product = self.per_product = rounds_per_product(self.c)
-        batches = round_batches(self.rounds, per_product)
-        self.batch_rows = []
-        for first, stop in batches:
-            padded = torch.zeros(per_product, self.c, dtype=torch.float64, device=plan.increments.device)
-            padded[: stop - first] = plan.increments[first - 1 : stop - 1] / self.rows_scale
-            self.batch_rows.append(padded.to(dtype))
-        self.batch_of = {t: (j, t - first) for j, (first, stop) in enumerate(batches) for t in range(first, stop)}
 
     def _piece_views(self, dtype: torch.dtype, device: torch.device) -> None:
         """Per piece (keyed by its first column): its rows as a ``(w, c)`` view of the source (the
@@ -287,8 +327,10 @@ class CerarRun:
     def run(self, stats: CommStats) -> CerarOutcome:
         try:
             run_rounds(self.ring, stats, self.rounds, self.pieces, self.prepare, self.target,
-                       posted=self.posted, landed=self.landed)  # fmt: skip
+                       received=self.received, posted=self.posted, landed=self.landed)  # fmt: skip
         finally:
+            stats.bytes_sent -= self.control_bytes
+            stats.bytes_received -= self.control_bytes
             if self.data_exponent:  # held only by calls at the ends of the range
                 stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
                 WORKSPACE.release("scaled_input")
@@ -308,27 +350,41 @@ class CerarRun:
 
     def prepare(self, t: int, a: int, b: int) -> torch.Tensor:
         """Round ``t``'s piece to send: what arrived in round ``t - 1`` plus its increment (round
-        1 also computes the piece's first batch, while earlier pieces are on the wire)."""
-        if t > 1 and a == 0:
-            self.chain.step(t)  # this round's hop of the maxima, beside its first piece
+        1 also computes the piece's first batch, while earlier pieces are on the wire); the
+        first piece of rounds ``2 .. N`` carries the maxima chain's hop in front of its values."""
         if t == 1:
             self._encode_batch(0, a)
         increment = self.increments[a][self.batch_of[t][1]]
-        out = self.send[t % 2, a:b]
+        row, f = self.send[t % 2], self.front
+        out = row[f + a : f + b]
         if t == 1:
             out.copy_(increment)
         elif self.widen:
             into = self.encoded[a:b]
-            torch.add(increment, self.target(t - 1, a, b), out=into)
+            torch.add(increment, self._arrived(t - 1)[f + a : f + b], out=into)
             out.copy_(into)  # rounded once to the packet dtype
         else:
-            torch.add(self.target(t - 1, a, b), increment, out=out)
+            torch.add(self._arrived(t - 1)[f + a : f + b], increment, out=out)
+        if a == 0 and t in self.carrying:
+            self.chain.write(row[:f])
+            self.control_bytes += f * row.element_size()
+            return row[: f + b]
         return out
 
     def target(self, t: int, a: int, b: int) -> torch.Tensor:
-        """Where round ``t``'s piece arrives: its observation slot, or a scratch packet."""
+        """Where round ``t``'s piece arrives: its observation slot, or a scratch packet (with the
+        chain's front for the first piece of rounds ``2 .. N``)."""
+        row, f = self._arrived(t), self.front
+        return row[: f + b] if a == 0 and t in self.carrying else row[f + a : f + b]
+
+    def _arrived(self, t: int) -> torch.Tensor:
+        """The packet row round ``t`` arrives in: its observation slot, or a scratch row."""
         slot = t - self.first_observed
-        return self.observations[slot, a:b] if slot >= 0 else self.recv[t % 2, a:b]
+        return self.observations[slot] if slot >= 0 else self.recv[t % 2]
+
+    def received(self, t: int, a: int, b: int) -> None:
+        if a == 0 and t in self.carrying:
+            self.chain.absorb(self._arrived(t)[: self.front])
 
     def posted(self, t: int) -> None:
         if t == 1:
@@ -358,7 +414,7 @@ class CerarRun:
         c, d = self.c, self.d
         acc = self.totals[a]
         arrived = self.arrived[: stop - start, : b - a]
-        arrived.copy_(self.observations[start:stop, a:b])
+        arrived.copy_(self.observations[start:stop, self.front + a : self.front + b])
         begin = own_part(self.decode_own, self.columns[a], self.own[:, : b - a]) if start == 0 else None
         fold_slots(acc, arrived, self.group_weights[start], begin, self.rows_scale)
         if t == self.rounds and self.decide():

@@ -28,7 +28,7 @@ instead: a rank whose size differs would send a packet larger than its peer's re
 Gloo aborts the receiving process (``op.preamble.length <= op.nbytes``), it does not raise.
 
 CERAR checks finiteness and magnitude later, overlapped: :class:`MaximaChain` carries every
-rank's ``max|x|`` beside data rounds ``2 .. N`` (see :func:`cerar.comm.algorithms.run_cerar`), so
+rank's ``max|x|`` inside data rounds ``2 .. N`` (see :func:`cerar.comm.algorithms.run_cerar`), so
 the check costs one pass over the input while round 1 is on the wire instead of a pass before
 the call.
 """
@@ -41,7 +41,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from cerar.comm.transport import Ring, post_pair, wait_for
 
@@ -61,7 +60,6 @@ __all__ = [
 HANDSHAKE_TAG = 0x0CE1
 FLAG_TAG = 0x0CE2
 GATHER_TAG = 0x0CE3
-_FIELDS = 6  # h, -h, k, -k, max|x|, e
 _TEXT_BYTES = 2048  # one rank's settings summary on the failure path
 
 
@@ -122,16 +120,15 @@ def handshake(
     Raises :class:`SettingsMismatchError` on every rank if the settings hashes or call counts
     differ. Non-finite inputs are found later, overlapped (:class:`MaximaChain`).
     """
-    own = torch.zeros(_FIELDS, dtype=torch.float64)
-    own[0], own[1], own[2], own[3] = settings, -settings, float(counter), -float(counter)
-    own[4], own[5] = max_abs, float(scale_exponent)
-    total = _max_around(ring, own.to(device or "cpu"), HANDSHAKE_TAG, 0).cpu()
+    fields = [settings, -settings, float(counter), -float(counter), max_abs, float(scale_exponent)]
+    own = torch.tensor(fields, dtype=torch.float64, device=device or "cpu")
+    total = _max_around(ring, own, HANDSHAKE_TAG, 0).tolist()
     if total[0] != -total[1] or total[2] != -total[3]:
         texts = gather_text(ring, f"{summary}, call #{counter}", device)
         lines = "; ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
         what = "different settings" if total[0] != -total[1] else "different call counts (a rank skipped a call)"
         raise SettingsMismatchError(f"cerar: ranks called the collective with {what}: {lines}")
-    return Agreed(float(total[4]), int(total[5]))
+    return Agreed(total[4], int(total[5]))
 
 
 def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> list[str]:
@@ -149,22 +146,29 @@ def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> li
 
 
 class MaximaChain:
-    """Every rank's largest input magnitude, carried beside CERAR's data rounds ``2 .. N``.
+    """Every rank's largest input magnitude, carried inside CERAR's data packets of rounds ``2 .. N``.
 
     Rank ``r`` puts its ``max|x|`` (``inf`` if its input holds NaN/Inf) in slot ``r`` while round
-    1 is on the wire (:meth:`set_own`), then in each round ``t = 2 .. N`` forwards the
-    element-wise maximum of its vector and what arrived in round ``t - 1`` (:meth:`step`); after
-    round ``N`` arrives every rank holds the same vector (:meth:`maxima`), before any decoding:
-    the non-finite decision and the packet-scale check are the same on every rank. Needs
-    ``rounds >= N`` (``c >= 2``) to ride entirely on data rounds.
+    1 is on the wire (:meth:`set_own_from`); each round ``t = 2 .. N`` then carries, in a
+    :attr:`front` of ``8 N`` bytes ahead of its first piece's values, the element-wise maximum of
+    everything the rank has heard so far (:meth:`write`), and the receiver folds in what arrived
+    (:meth:`absorb`). After ``N - 1`` hops every rank holds the same vector (:meth:`maxima`),
+    before any decoding: the non-finite decision and the packet-scale check are the same on
+    every rank. Riding in the data messages costs no message of its own (a separate message per
+    hop cost about as much as a data round's on an oversubscribed host); hops the data rounds do
+    not carry (fewer than ``N`` rounds, ``c = 1``, or no values) run as messages of their own in
+    :meth:`maxima`.
     """
 
-    def __init__(self, ring: Ring, device: torch.device) -> None:
+    def __init__(self, ring: Ring, device: torch.device, packet_dtype: torch.dtype = torch.float64) -> None:
         self.ring = ring
         self.own = torch.zeros(ring.size, dtype=torch.float64, device=device)
-        self.received = torch.zeros(ring.size, dtype=torch.float64, device=device)
-        self.pending: tuple[dist.Work, dist.Work, int] | None = None
-        self.hops = 0
+        self.known = torch.zeros(ring.size, dtype=torch.float64, device=device)  # own, then the max heard
+        self.arrived = torch.zeros(ring.size, dtype=torch.float64, device=device)
+        #: Elements of ``packet_dtype`` the vector takes at the front of a packet (``8 N`` bytes).
+        self.front = ring.size * 8 // torch.empty((), dtype=packet_dtype).element_size()
+        self.sent = 0  # hops posted
+        self.heard = 0  # hops folded in
 
     def set_own_from(self, tensor: torch.Tensor) -> None:
         """This rank's slot from ``tensor``'s ``max|x|`` (``inf`` for NaN/Inf), computed where the
@@ -175,32 +179,35 @@ class MaximaChain:
         largest = torch.maximum(-low, high).to(torch.float64)
         self.own[self.ring.rank] = torch.nan_to_num(largest, nan=math.inf, posinf=math.inf)
 
-    def step(self, round_index: int) -> None:
-        """Post this round's hop (rounds ``2 .. N``); the previous hop's message has arrived."""
-        if self.hops >= self.ring.size - 1:
-            return
-        message = self.own.clone()
-        if self.pending is not None:
-            self._finish()
-            torch.maximum(message, self.received, out=message)
-        self.pending = (*post_pair(message, self.received, self.ring, round_index, FLAG_TAG), round_index)
-        self.hops += 1
+    def carries(self, round_index: int, rounds: int) -> bool:
+        """Whether round ``round_index``'s first piece carries a hop: rounds ``2 .. min(N, L)``."""
+        return 2 <= round_index <= min(self.ring.size, rounds)
+
+    def write(self, front: torch.Tensor) -> None:
+        """The next hop's message into ``front`` (the first :attr:`front` elements of a packet)."""
+        if not self.sent:
+            self.known.copy_(self.own)
+        front.view(torch.uint8).copy_(self.known.view(torch.uint8))
+        self.sent += 1
+
+    def absorb(self, front: torch.Tensor) -> None:
+        """Fold the hop that arrived in ``front`` into what this rank knows."""
+        self.arrived.view(torch.uint8).copy_(front.view(torch.uint8))
+        torch.maximum(self.known, self.arrived, out=self.known)
+        self.heard += 1
 
     def maxima(self, next_round: int) -> list[float]:
-        """Every group rank's ``max|x|`` (``inf``: NaN/Inf). Waits for the last hop; hops the data
-        rounds did not carry (fewer than ``N`` rounds) run here, numbered from ``next_round``."""
-        while self.hops < self.ring.size - 1:
-            self.step(next_round)
-            next_round += 1
-        if self.pending is not None:
-            self._finish()
-        return torch.maximum(self.own, self.received).cpu().tolist()
-
-    def _finish(self) -> None:
-        recv_work, send_work, round_index = self.pending
-        wait_for(recv_work, self.ring, round_index)
-        wait_for(send_work, self.ring, round_index)
-        self.pending = None
+        """Every group rank's ``max|x|`` (``inf``: NaN/Inf), once every hop has arrived; hops the
+        data rounds did not carry run here as messages of their own, numbered from ``next_round``."""
+        if not self.sent:
+            self.known.copy_(self.own)
+        while self.heard < self.ring.size - 1:
+            recv_work, send_work = post_pair(self.known.clone(), self.arrived, self.ring, next_round, FLAG_TAG)
+            wait_for(recv_work, self.ring, next_round)
+            wait_for(send_work, self.ring, next_round)
+            torch.maximum(self.known, self.arrived, out=self.known)
+            self.sent, self.heard, next_round = self.sent + 1, self.heard + 1, next_round + 1
+        return self.known.cpu().tolist()
 
 
 def max_abs(tensor: torch.Tensor) -> float:

@@ -12,6 +12,7 @@ the peer's receive). Device-agnostic: CPU tensors on Gloo, CUDA tensors on NCCL.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -71,6 +72,16 @@ class Ring:
     send_to: int  # global rank of rank + 1
     recv_from: int  # global rank of rank - 1
     peers: tuple[int, ...] = ()  # global rank of every position (empty: only the neighbours are known)
+
+    @functools.cached_property
+    def endpoints(self) -> tuple[dist.ProcessGroup, int, int]:
+        """``(process group, group rank of recv_from, group rank of send_to)``: what the process
+        group's own ``send``/``recv`` take, worked out once per ring instead of by
+        ``dist.isend``/``dist.irecv``'s argument handling on every message."""
+        pg = dist.group.WORLD if self.group is None else self.group
+        if self.group is None:
+            return pg, self.recv_from, self.send_to
+        return pg, dist.get_group_rank(self.group, self.recv_from), dist.get_group_rank(self.group, self.send_to)
 
     def at_distance(self, distance: int) -> Ring:
         """This ring with the ranks ``distance`` positions ahead and behind as the neighbours
@@ -149,12 +160,15 @@ def post_pair(
     ring. On the CPU (Gloo, which has no coalescing) ``batch_isend_irecv`` only adds its
     coalescing manager around the same two calls, which costs a sizeable share of a small hop
     (``docs/results.md``). So CPU tensors take the two plain calls, receive first (Gloo's send
-    waits for the peer's receive).
+    waits for the peer's receive), straight on the process group (:attr:`Ring.endpoints`: what
+    ``dist.irecv``/``dist.isend`` call after checking their arguments, which a call's dozens of
+    messages would otherwise repeat).
     """
     try:
         if send.device.type == "cpu" and not BATCH_ON_CPU:
-            recv_work = dist.irecv(recv, ring.recv_from, ring.group, tag)
-            return recv_work, dist.isend(send, ring.send_to, ring.group, tag)
+            pg, source, destination = ring.endpoints
+            recv_work = pg.recv([recv], source, tag)
+            return recv_work, pg.send([send], destination, tag)
         ops = [
             dist.P2POp(dist.irecv, recv, ring.recv_from, ring.group, tag),
             dist.P2POp(dist.isend, send, ring.send_to, ring.group, tag),
