@@ -91,6 +91,9 @@ class CerarState(ReplicaSync):
             Both rules depend only on the bucket's size and the iteration count, which are the
             same on every rank, so every rank takes the same path for each bucket. The exact
             path does not apply ``nonfinite`` (non-finite values are summed, as DDP's default).
+        method: ``"cerar"`` (this class) or ``"auto"``: ``CerarState(method="auto", max_error=...)``
+            builds a :class:`cerar.comm.auto_ddp.AutoState`, which decides each bucket's method
+            from measurement (its own arguments are documented there).
         on_step: ``on_step(state, stats)``, called with the step's :class:`CommStats` when the
             last bucket of a backward pass completes. It runs on the communication thread, so
             keep it short; an exception in it fails that backward.
@@ -148,6 +151,7 @@ class CerarState(ReplicaSync):
         "last_divergence",
         "last_step",
         "max_divergence",
+        "method",
         "min_bucket_bytes",
         "nonfinite",
         "on_step",
@@ -166,12 +170,25 @@ class CerarState(ReplicaSync):
     # nothing to restore, and the group's size is resolved again with the group.
     _NOT_PICKLED = ("process_group", "_comm_group", "_lock", "_open_buckets", "_step", "_step_closing", "on_step")
     _RESOLVED_AGAIN = ("world_size",)
+    #: The record of one backward pass (``last_step``); :class:`cerar.comm.auto_ddp.AutoState`'s adds its buckets.
+    _STEP_RECORD: type[CommStats] = CommStats
+    _METHOD = "cerar"
+
+    def __new__(cls, *args: Any, method: str = "cerar", **kwargs: Any) -> "CerarState":
+        # ``CerarState(method="auto", max_error=...)`` is an AutoState (cerar.comm.auto_ddp), which
+        # extends this class with the decision; any other method builds this class as it is.
+        if cls is CerarState and method == "auto":
+            from cerar.comm.auto_ddp import AutoState
+
+            cls = AutoState
+        return super().__new__(cls)
 
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
         code: Code | None = None,
         *,
+        method: str = "cerar",
         nonfinite: str = "exact",
         packet_dtype: torch.dtype | None = None,
         min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
@@ -189,6 +206,10 @@ class CerarState(ReplicaSync):
         if on_step is not None and not callable(on_step):
             raise TypeError(f"Argument 'on_step' must be a callable or None, not {type(on_step).__name__}.")
         # Settings.
+        if method != self._METHOD:
+            check_choice("method", method, ("cerar", "auto"))
+            raise ValueError(f"Argument 'method' of {type(self).__name__} must be {self._METHOD!r}, not {method!r}.")
+        self.method: str = method
         self.process_group: dist.ProcessGroup | None = process_group
         self.code: Code | None = code
         self.world_size: int | None = None  # resolved at the first bucket
@@ -318,7 +339,7 @@ class CerarState(ReplicaSync):
         self._lock = threading.Lock()
         self._open_buckets = 0
         self._step_closing = False
-        self._step = CommStats()
+        self._step = self._STEP_RECORD()
 
     def bucket_started(self, last: bool) -> None:
         """A bucket was handed to the hook (``last``: the pass's last bucket, which advances
@@ -340,7 +361,7 @@ class CerarState(ReplicaSync):
             self._open_buckets -= 1
             if not (self._step_closing and self._open_buckets == 0):
                 return
-            record, self._step, self._step_closing = self._step, CommStats(), False
+            record, self._step, self._step_closing = self._step, self._STEP_RECORD(), False
             self.last_step = record
         if self.on_step is not None:
             self.on_step(self, record)
