@@ -20,6 +20,7 @@ candidate out at the next decision.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -33,8 +34,10 @@ from cerar.coding.code import MAX_ERROR, check_max_error
 from cerar.comm.auto_candidates import Candidate, build_candidates
 from cerar.comm.auto_engine import AutoConfig, AutoEngine, SideGroup, new_side_group
 from cerar.comm.call_checks import check_bool, check_op, check_stats, check_tensor
+from cerar.comm.calls import cerar_call, ring_call, ring_of
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
+from cerar.comm.worker_thread import COMM
 
 __all__ = ["AutoWork", "auto_all_reduce", "auto_status"]
 
@@ -203,9 +206,9 @@ def _start(
     nonfinite: str,
     stats: CommStats | None,
 ) -> torch.futures.Future[Any]:
-    """Start ``candidate`` on ``tensor``: a future that completes with the result in place."""
-    from cerar.comm.collective import all_reduce, ring_all_reduce
-
+    """Start ``candidate`` on ``tensor``: a future that completes with the result in place. The
+    cerar candidates run as ``cerar.all_reduce`` / ``ring_all_reduce`` run them (one call on the
+    communication thread), their settings already checked: the code is auto's own, for the group."""
     if candidate.name == "exact":
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         size = dist.get_world_size(group)
@@ -220,15 +223,14 @@ def _start(
             return [tensor]
 
         return handle.get_future().then(finish)
+    ring = ring_of(group)
+    assert ring is not None  # a member: checked by the caller
     if candidate.components is None:
-        wire = _PACKETS[candidate.wire]
-        return ring_all_reduce(tensor, op, group, True, wire_dtype=wire, stats=stats).get_future()
-    packet = _PACKETS[candidate.wire]
-    work = all_reduce(
-        tensor, op, group, True, code=candidate.code, nonfinite=nonfinite, packet_dtype=packet, max_error=None,
-        stats=stats,
-    )  # fmt: skip
-    return work.get_future()
+        job = functools.partial(ring_call, tensor.detach(), op, ring, _PACKETS[candidate.wire], stats)
+    else:
+        packet = _PACKETS[candidate.wire]
+        job = functools.partial(cerar_call, tensor.detach(), op, ring, candidate.code, nonfinite, stats, packet)
+    return COMM.submit(job, tensor, True).get_future()
 
 
 def _exact_on(group: dist.ProcessGroup | None, tensor: torch.Tensor, op: str) -> None:

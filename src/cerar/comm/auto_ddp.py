@@ -68,7 +68,7 @@ class AutoStep(CommStats):
         return [asdict(b) for b in self.buckets]
 
 
-class AutoState(CerarState):
+class AutoState(CerarState, method="auto"):
     """A :class:`CerarState` whose hook decides each bucket's method (see the module doc).
 
     Args:

@@ -8,7 +8,7 @@ resolved at the first bucket. The hooks themselves live in :mod:`cerar.comm.ddp`
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -174,13 +174,25 @@ class CerarState(ReplicaSync):
     _STEP_RECORD: type[CommStats] = CommStats
     _METHOD = "cerar"
 
+    #: The subclass each other ``method`` builds, registered by its class statement
+    #: (``class AutoState(CerarState, method="auto")``, loaded with ``cerar.ddp``).
+    _BY_METHOD: ClassVar[dict[str, type["CerarState"]]] = {}
+
+    def __init_subclass__(cls, method: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if method is not None:
+            CerarState._BY_METHOD[method] = cls
+
     def __new__(cls, *args: Any, method: str = "cerar", **kwargs: Any) -> "CerarState":
         # ``CerarState(method="auto", max_error=...)`` is an AutoState (cerar.comm.auto_ddp), which
         # extends this class with the decision; any other method builds this class as it is.
-        if cls is CerarState and method == "auto":
-            from cerar.comm.auto_ddp import AutoState
-
-            cls = AutoState
+        if cls is CerarState and method != "cerar":
+            if method not in CerarState._BY_METHOD:
+                raise ValueError(
+                    f"Argument 'method' must be 'cerar' or one of {sorted(CerarState._BY_METHOD)} "
+                    f"(the others load with cerar.ddp), not {method!r}."
+                )
+            cls = CerarState._BY_METHOD[method]
         return super().__new__(cls)
 
     def __init__(
@@ -207,7 +219,6 @@ class CerarState(ReplicaSync):
             raise TypeError(f"Argument 'on_step' must be a callable or None, not {type(on_step).__name__}.")
         # Settings.
         if method != self._METHOD:
-            check_choice("method", method, ("cerar", "auto"))
             raise ValueError(f"Argument 'method' of {type(self).__name__} must be {self._METHOD!r}, not {method!r}.")
         self.method: str = method
         self.process_group: dist.ProcessGroup | None = process_group
