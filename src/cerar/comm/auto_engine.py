@@ -73,7 +73,7 @@ class AutoConfig:
     hysteresis: float = 0.05
     verify_tol: float = 0.25
     step_tol: float = 0.03
-    verify_every: int = 20
+    verify_every: int = 10
     redecide_every: int | None = 1000
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     pinned: Any = field(default=None)

@@ -5,6 +5,7 @@ resolved at the first bucket. The hooks themselves live in :mod:`cerar.comm.ddp`
 ``cerar.ddp``), which re-exports everything here.
 """
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -38,6 +39,14 @@ logger = logging.getLogger("cerar.comm.ddp")
 #: against Gloo's all-reduce on the slow network (``cerar bench --regime slow -N 4 -c 8``; the
 #: figures are in ``docs/results.md``). Re-measure it when CERAR's per-call fixed cost changes.
 DEFAULT_MIN_BUCKET_BYTES = 2 * 1024 * 1024
+
+
+class _SignatureOfInit:
+    """``inspect.signature`` of a state class (``help()``, the README's check): its ``__init__``'s
+    parameters, not those of the ``__new__`` that picks the class from ``method``."""
+
+    def __get__(self, obj: Any, cls: type) -> inspect.Signature:
+        return inspect.Signature(list(inspect.signature(cls.__init__).parameters.values())[1:])
 
 
 class CerarState(ReplicaSync):
@@ -177,6 +186,7 @@ class CerarState(ReplicaSync):
     #: The subclass each other ``method`` builds, registered by its class statement
     #: (``class AutoState(CerarState, method="auto")``, loaded with ``cerar.ddp``).
     _BY_METHOD: ClassVar[dict[str, type["CerarState"]]] = {}
+    __signature__ = _SignatureOfInit()
 
     def __init_subclass__(cls, method: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -200,7 +210,6 @@ class CerarState(ReplicaSync):
         process_group: dist.ProcessGroup | None = None,
         code: Code | None = None,
         *,
-        method: str = "cerar",
         nonfinite: str = "exact",
         packet_dtype: torch.dtype | None = None,
         min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
@@ -208,6 +217,7 @@ class CerarState(ReplicaSync):
         resync_every: int | None = None,
         divergence_tol: float | None = None,
         on_step: Callable[["CerarState", CommStats], None] | None = None,
+        method: str = "cerar",
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
