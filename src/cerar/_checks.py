@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -70,3 +71,27 @@ def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
         listed = ", ".join(repr(c) for c in choices)
         raise ValueError(f"Argument '{name}' must be one of {listed}, not {value!r}.")
     return value
+
+
+_SIZE_PATTERN = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmg]?)(i?b?)$", re.I)
+
+
+def parse_size(text: str, name: str = "sizes") -> int:
+    """``"4M"``, ``"64K"``, ``"1MiB"``, ``"1048576"`` -> bytes (K, M, G are powers of 1024)."""
+    match = _SIZE_PATTERN.match(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"Argument '{name}' must be sizes such as 64K, 1M, 16M or 1048576, not {text!r}.")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match.group(2).lower()]
+    value = float(match.group(1)) * scale
+    if value != int(value):
+        raise ValueError(f"Argument '{name}' must be a whole number of bytes, not {text!r}.")
+    return int(value)
+
+
+def format_size(size_bytes: float) -> str:
+    """``1048576`` -> ``"1M"``; ``65536`` -> ``"64K"`` (powers of 1024, as parsed)."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size_bytes >= scale:
+            value = size_bytes / scale
+            return f"{value:g}{unit}" if value == int(value) else f"{value:.3g}{unit}"
+    return f"{int(size_bytes)}B"

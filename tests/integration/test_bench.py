@@ -323,20 +323,21 @@ def test_config_checks(changes: dict[str, Any], error: type, message: str) -> No
 
 def test_config_defaults_and_cases() -> None:
     config = BenchConfig(world_size=4, sizes_bytes=(4 * MiB, MiB, MiB))
-    assert config.components == (4, 8) and config.sizes_bytes == (MiB, 4 * MiB)
+    assert config.components == (8,) and config.sizes_bytes == (MiB, 4 * MiB)
     cases = build_cases(config)
     assert [c["size_bytes"] for c in cases] == [MiB] * 6 + [4 * MiB] * 6  # sorted by size
     assert [(c["method"], c["components"]) for c in cases[:6]] == [
         ("builtin", None),
-        ("ring", None),
         ("ring-fp16", None),
         ("ring-bf16", None),
-        ("cerar", 4),
         ("cerar", 8),
+        ("cerar-fp16", 8),
+        ("auto", None),
     ]
-    assert cases[5]["code"]["world_size"] == 4 and cases[5]["code_params"]["delta"] > 0
+    assert cases[3]["code"]["world_size"] == 4 and cases[3]["code_params"]["delta"] > 0
+    assert cases[5]["max_error"] == config.auto_max_error  # auto's budget travels with its case
     # the code travels to the ranks as JSON and must come back identical
-    assert Code.from_dict(json.loads(json.dumps(cases[5]["code"]))) == make_code(4, 8, "perturbed")
+    assert Code.from_dict(json.loads(json.dumps(cases[3]["code"]))) == make_code(4, 8, "perturbed")
 
 
 def _args(*argv: str) -> Any:
@@ -346,7 +347,7 @@ def _args(*argv: str) -> Any:
 def test_command_line_defaults() -> None:
     config = config_from_args(_args())
     assert config.world_size == 4 and config.regimes == ("fast", "slow") and config.iters == 5
-    assert config.sizes_bytes == (MiB, 4 * MiB, 16 * MiB, 64 * MiB) and config.components == (4, 8)
+    assert config.sizes_bytes == (MiB, 4 * MiB, 16 * MiB, 64 * MiB) and config.components == (8,)
     quick = config_from_args(_args("--quick", "-N", "3", "--regime", "fast", "-c", "3,6,9"))
     assert quick.iters == 2 and quick.sizes_bytes[-1] <= MiB and quick.regimes == ("fast",)
     assert quick.components == (3, 6, 9)
@@ -423,17 +424,21 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
     if ALL_REDUCE_METHODS["cerar"].available():
         assert methods == {
             ("builtin", None),
-            ("ring", None),
             ("ring-fp16", None),
             ("ring-bf16", None),
-            ("cerar", 2),
             ("cerar", 4),
+            ("cerar-fp16", 4),
+            ("auto", None),
         }
     for r in doc["results"]:
         assert r["regime"] == "fast" and len(r["times_s"]) == 2 and len(r["rel_errors"]) == 2
         assert r["time_min_s"] <= r["time_median_s"] <= r["time_max_s"]
         # Two ranks decode exactly whatever c is: float32 rounding only, or a 16-bit wire's.
-        wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8}.get(r["method"], 2.0**-24)
+        wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8, "cerar-fp16": 2.0**-11}.get(r["method"], 2.0**-24)
+        assert r["predicted_s"] is not None  # the cost model's, beside the measured time
+        if r["method"] == "auto":  # at N = 2: no CERAR candidate (every c decodes exactly, as the ring)
+            assert r["auto"]["method"] in ("exact", "fp16") and r["auto"]["calibration_calls"] > 0
+            wire = 2.0**-11
         assert r["worst_rel_error"] < 4 * wire, (r["method"], r["components"], r["worst_rel_error"])
     assert (tmp_path / "out" / "bench.json").exists()
     assert (tmp_path / "out" / "time_vs_size.png").stat().st_size > 0

@@ -25,6 +25,7 @@ from cerar.comm.ddp import (
     HOOKS,
     STATE_DICT_FORMAT,
     CerarState,
+    auto_hook,
     cerar_hook,
     get_hook,
     hier_cerar_hook,
@@ -589,8 +590,11 @@ def test_load_state_dict_names_the_bad_key() -> None:
 
 
 def test_hooks_by_name() -> None:
-    assert HOOKS == {"cerar": cerar_hook, "ring": ring_hook, "hier-cerar": hier_cerar_hook, "hier-ring": hier_ring_hook}
+    assert HOOKS == {
+        "cerar": cerar_hook, "auto": auto_hook, "ring": ring_hook, "hier-cerar": hier_cerar_hook,
+        "hier-ring": hier_ring_hook,
+    }  # fmt: skip
     assert get_hook("cerar") is cerar_hook and get_hook("ring") is ring_hook
-    names = "'cerar', 'ring', 'hier-cerar', 'hier-ring'"
+    names = "'cerar', 'auto', 'ring', 'hier-cerar', 'hier-ring'"
     with pytest.raises(ValueError, match=re.escape(f"Argument 'name' must be one of {names}, not 'powersgd'.")):
         get_hook("powersgd")

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "bench": "cerar.cli.bench",
     "train": "cerar.cli.train",
     "study": "cerar.cli.study",
+    "plan": "cerar.cli.plan",
 }
 
 

@@ -24,8 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="time all-reduce methods on fast (loopback) and slow (rate-limited) networks",
         description=(
-            "Launch N local ranks and time builtin (Gloo), ring (cerar's exact ring), the ring with "
-            "float16 and bfloat16 wires, and cerar (per c) for each size, on loopback (fast) and on "
+            "Launch N local ranks and time builtin (Gloo), the ring with float16 and bfloat16 wires, "
+            "cerar (per c) with float32 and float16 packets and auto (method='auto', its calibration "
+            "untimed; ring, cerar-bf16 on request) for each size, on loopback (fast) and on "
             "namespaces with tc-limited links (slow, needs root, ip and tc; otherwise fast only). "
             "--nodes M --ranks-per-node G emulates M nodes: one namespace per node holding its G ranks "
             "(fast loopback inside), its one link limited to --rate, and adds hier-ring and hier-cerar "

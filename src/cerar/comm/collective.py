@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_float
+from cerar._checks import check_choice, check_float
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import precision_name
 from cerar.comm.call_checks import (
@@ -95,7 +95,8 @@ def all_reduce(
     packet_dtype: torch.dtype | None = None,
     max_error: float | None = MAX_ERROR,
     stats: CommStats | None = None,
-) -> CerarWork | None:
+    method: str = "cerar",
+) -> Any:
     """Sum (or average) ``tensor`` over ``group`` with CERAR, in place.
 
     Each rank's result is the sum up to the code's small, bounded error (see
@@ -126,12 +127,24 @@ def all_reduce(
             code tuned for float32 would return noise with bfloat16 packets, say); ``None``
             uses it anyway.
         stats: a :class:`cerar.comm.stats.CommStats` that this call's figures are added to.
+        method: ``"cerar"`` (this call, returning None or a :class:`CerarWork`), or ``"auto"``:
+            the calls of this size go by the fastest method whose predicted worst-rank error is
+            within ``max_error`` (the exact all-reduce, the float16 ring, CERAR in float32 or
+            16 bits), decided from their measured times, the same on every rank
+            (:mod:`cerar.comm.auto_collective`; ``code`` and ``packet_dtype`` must be None).
 
     Packets are scaled by an exact power of two so that they can neither overflow nor fall into
     subnormals (:mod:`cerar.coding.scaling`): every rank's largest magnitude travels with the
     rounds, and a call whose data left the range of the scale it started with (the previous
     call's of its size) is redone at one that fits, the same on every rank (``stats.rescales``).
     """
+    if method != "cerar":
+        check_choice("method", method, ("cerar", "auto"))
+        if code is not None or packet_dtype is not None:
+            raise ValueError("Arguments 'code' and 'packet_dtype' must be None with method='auto' (it chooses them).")
+        from cerar.comm.auto_collective import auto_all_reduce
+
+        return auto_all_reduce(tensor, op, group, async_op, max_error=max_error, nonfinite=nonfinite, stats=stats)
     reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(
         tensor, op, async_op, nonfinite, packet_dtype, code, stats
     )

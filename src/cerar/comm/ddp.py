@@ -40,6 +40,9 @@ import torch
 import torch.distributed as dist
 
 from cerar._checks import check_choice
+from cerar.comm.auto_ddp import AutoState, AutoStep, auto_hook
+from cerar.comm.auto_engine import AutoConfig
+from cerar.comm.auto_pins import PinnedTable
 from cerar.comm.ddp_checkpoint import STATE_DICT_FORMAT
 from cerar.comm.ddp_hierarchical import HierarchicalState
 from cerar.comm.ddp_state import DEFAULT_MIN_BUCKET_BYTES, CerarState
@@ -53,8 +56,13 @@ __all__ = [
     "NONFINITE_POLICIES",
     "SKETCH_SIZE",
     "STATE_DICT_FORMAT",
+    "AutoConfig",
+    "AutoState",
+    "AutoStep",
     "CerarState",
     "HierarchicalState",
+    "PinnedTable",
+    "auto_hook",
     "cerar_hook",
     "get_hook",
     "hier_cerar_hook",
@@ -73,9 +81,12 @@ def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futu
     through the exact ring under ``nonfinite="exact"`` (the default) instead of failing; a sparse
     bucket, one below ``state.min_bucket_bytes`` and every bucket of the first
     ``state.start_iter`` passes are averaged by ``torch.distributed.all_reduce``, as DDP's
-    default does.
+    default does. An :class:`AutoState` (``CerarState(method="auto")``) goes to :func:`auto_hook`.
     """
     from cerar.comm.collective import all_reduce
+
+    if isinstance(state, AutoState):
+        return auto_hook(state, bucket)
 
     return _launch(
         state,
@@ -206,6 +217,7 @@ def _check_hierarchical(state: Any) -> None:
 #: ones take a :class:`HierarchicalState`).
 HOOKS: dict[str, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]] = {
     "cerar": cerar_hook,
+    "auto": auto_hook,
     "ring": ring_hook,
     "hier-cerar": hier_cerar_hook,
     "hier-ring": hier_ring_hook,
@@ -213,5 +225,6 @@ HOOKS: dict[str, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Ten
 
 
 def get_hook(name: str) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
-    """The hook :data:`HOOKS` holds under ``name`` (``"cerar"``, ``"ring"``, ``"hier-cerar"``, ``"hier-ring"``)."""
+    """The hook :data:`HOOKS` holds under ``name`` (``"cerar"``, ``"auto"``, ``"ring"``, ``"hier-cerar"``,
+    ``"hier-ring"``)."""
     return HOOKS[check_choice("name", name, tuple(HOOKS))]

@@ -5,10 +5,11 @@ resolved at the first bucket. The hooks themselves live in :mod:`cerar.comm.ddp`
 ``cerar.ddp``), which re-exports everything here.
 """
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,14 @@ logger = logging.getLogger("cerar.comm.ddp")
 #: against Gloo's all-reduce on the slow network (``cerar bench --regime slow -N 4 -c 8``; the
 #: figures are in ``docs/results.md``). Re-measure it when CERAR's per-call fixed cost changes.
 DEFAULT_MIN_BUCKET_BYTES = 2 * 1024 * 1024
+
+
+class _SignatureOfInit:
+    """``inspect.signature`` of a state class (``help()``, the README's check): its ``__init__``'s
+    parameters, not those of the ``__new__`` that picks the class from ``method``."""
+
+    def __get__(self, obj: Any, cls: type) -> inspect.Signature:
+        return inspect.Signature(list(inspect.signature(cls.__init__).parameters.values())[1:])
 
 
 class CerarState(ReplicaSync):
@@ -91,6 +100,9 @@ class CerarState(ReplicaSync):
             Both rules depend only on the bucket's size and the iteration count, which are the
             same on every rank, so every rank takes the same path for each bucket. The exact
             path does not apply ``nonfinite`` (non-finite values are summed, as DDP's default).
+        method: ``"cerar"`` (this class) or ``"auto"``: ``CerarState(method="auto", max_error=...)``
+            builds a :class:`cerar.comm.auto_ddp.AutoState`, which decides each bucket's method
+            from measurement (its own arguments are documented there).
         on_step: ``on_step(state, stats)``, called with the step's :class:`CommStats` when the
             last bucket of a backward pass completes. It runs on the communication thread, so
             keep it short; an exception in it fails that backward.
@@ -148,6 +160,7 @@ class CerarState(ReplicaSync):
         "last_divergence",
         "last_step",
         "max_divergence",
+        "method",
         "min_bucket_bytes",
         "nonfinite",
         "on_step",
@@ -166,6 +179,31 @@ class CerarState(ReplicaSync):
     # nothing to restore, and the group's size is resolved again with the group.
     _NOT_PICKLED = ("process_group", "_comm_group", "_lock", "_open_buckets", "_step", "_step_closing", "on_step")
     _RESOLVED_AGAIN = ("world_size",)
+    #: The record of one backward pass (``last_step``); :class:`cerar.comm.auto_ddp.AutoState`'s adds its buckets.
+    _STEP_RECORD: type[CommStats] = CommStats
+    _METHOD = "cerar"
+
+    #: The subclass each other ``method`` builds, registered by its class statement
+    #: (``class AutoState(CerarState, method="auto")``, loaded with ``cerar.ddp``).
+    _BY_METHOD: ClassVar[dict[str, type["CerarState"]]] = {}
+    __signature__ = _SignatureOfInit()
+
+    def __init_subclass__(cls, method: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if method is not None:
+            CerarState._BY_METHOD[method] = cls
+
+    def __new__(cls, *args: Any, method: str = "cerar", **kwargs: Any) -> "CerarState":
+        # ``CerarState(method="auto", max_error=...)`` is an AutoState (cerar.comm.auto_ddp), which
+        # extends this class with the decision; any other method builds this class as it is.
+        if cls is CerarState and method != "cerar":
+            if method not in CerarState._BY_METHOD:
+                raise ValueError(
+                    f"Argument 'method' must be 'cerar' or one of {sorted(CerarState._BY_METHOD)} "
+                    f"(the others load with cerar.ddp), not {method!r}."
+                )
+            cls = CerarState._BY_METHOD[method]
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -179,6 +217,7 @@ class CerarState(ReplicaSync):
         resync_every: int | None = None,
         divergence_tol: float | None = None,
         on_step: Callable[["CerarState", CommStats], None] | None = None,
+        method: str = "cerar",
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -189,6 +228,9 @@ class CerarState(ReplicaSync):
         if on_step is not None and not callable(on_step):
             raise TypeError(f"Argument 'on_step' must be a callable or None, not {type(on_step).__name__}.")
         # Settings.
+        if method != self._METHOD:
+            raise ValueError(f"Argument 'method' of {type(self).__name__} must be {self._METHOD!r}, not {method!r}.")
+        self.method: str = method
         self.process_group: dist.ProcessGroup | None = process_group
         self.code: Code | None = code
         self.world_size: int | None = None  # resolved at the first bucket
@@ -318,7 +360,7 @@ class CerarState(ReplicaSync):
         self._lock = threading.Lock()
         self._open_buckets = 0
         self._step_closing = False
-        self._step = CommStats()
+        self._step = self._STEP_RECORD()
 
     def bucket_started(self, last: bool) -> None:
         """A bucket was handed to the hook (``last``: the pass's last bucket, which advances
@@ -340,7 +382,7 @@ class CerarState(ReplicaSync):
             self._open_buckets -= 1
             if not (self._step_closing and self._open_buckets == 0):
                 return
-            record, self._step, self._step_closing = self._step, CommStats(), False
+            record, self._step, self._step_closing = self._step, self._STEP_RECORD(), False
             self.last_step = record
         if self.on_step is not None:
             self.on_step(self, record)

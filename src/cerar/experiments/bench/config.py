@@ -7,12 +7,12 @@ line and the table show them.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from cerar._checks import check_choice, check_float, check_int
+from cerar._checks import check_choice, check_float, check_int, format_size, parse_size
 from cerar.coding import codes
+from cerar.coding.code import MAX_ERROR
 from cerar.experiments._flags import flag
 from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, BASELINE, get_method
 from cerar.harness import netem
@@ -29,33 +29,11 @@ __all__ = [
 ]
 
 REGIME_CHOICES = ("fast", "slow", "both")
-DEFAULT_METHODS = ("builtin", "ring", "ring-fp16", "ring-bf16", "cerar")
+DEFAULT_METHODS = ("builtin", "ring-fp16", "ring-bf16", "cerar", "cerar-fp16", "auto")
 NODE_METHODS = ("builtin", "ring", "cerar", "hier-ring", "hier-cerar")  # the default with --ranks-per-node > 1
 MiB = 1 << 20
 DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 QUICK_SIZES = (64 << 10, 256 << 10)
-_SIZE_PATTERN = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmg]?)(i?b?)$", re.I)
-
-
-def parse_size(text: str) -> int:
-    """``"4M"``, ``"64K"``, ``"1MiB"``, ``"1048576"`` -> bytes (K, M, G are powers of 1024)."""
-    match = _SIZE_PATTERN.match(text.strip()) if isinstance(text, str) else None
-    if match is None:
-        raise ValueError(f"Argument 'sizes' must be sizes such as 64K, 1M, 16M or 1048576, not {text!r}.")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match.group(2).lower()]
-    value = float(match.group(1)) * scale
-    if value != int(value):
-        raise ValueError(f"Argument 'sizes' must be a whole number of bytes, not {text!r}.")
-    return int(value)
-
-
-def format_size(size_bytes: float) -> str:
-    """``1048576`` -> ``"1M"``; ``65536`` -> ``"64K"`` (powers of 1024, as parsed)."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if size_bytes >= scale:
-            value = size_bytes / scale
-            return f"{value:g}{unit}" if value == int(value) else f"{value:.3g}{unit}"
-    return f"{int(size_bytes)}B"
 
 
 # Parsers of the comma-list options: applied when the config is built, so a bad value is a
@@ -88,7 +66,7 @@ class BenchConfig:
     """What to measure, checked when built: bad values raise ``ValueError``/``TypeError``
     naming the argument and the value.
 
-    ``components=None`` becomes ``(N, 2N)`` (with nodes: ``(2M, 2N)``); sizes are sorted and
+    ``components=None`` becomes ``(2N,)`` (with nodes: ``(2M, 2N)``); sizes are sorted and
     repeated ones dropped. Emulated nodes: ``nodes=M`` sets ``world_size`` to ``M x
     ranks_per_node``; ``ranks_per_node=G`` alone takes ``M = N / G``. The hierarchical methods'
     codes are for ``M`` (``hier-cerar``), the flat ones' for ``N``.
@@ -112,7 +90,7 @@ class BenchConfig:
         ),
     )
     components: tuple[int, ...] | None = field(
-        default=None, metadata=flag("c values for cerar, e.g. 4,8", short="-c", parse=_components, default_text="N,2N")
+        default=None, metadata=flag("c values for cerar, e.g. 4,8", short="-c", parse=_components, default_text="2N")
     )
     constructions: tuple[str, ...] = field(
         default=("perturbed",),
@@ -150,6 +128,7 @@ class BenchConfig:
     iters: int = field(default=5, metadata=flag("timed iterations", default_text="5; --quick 2"))
     warmup: int = field(default=1, metadata=flag("warm-up iterations"))
     seed: int = field(default=0, metadata=flag("seed of the inputs"))
+    auto_max_error: float = field(default=MAX_ERROR, metadata=flag("auto: the error budget (max_error)"))
     timeout_s: float | None = field(
         default=None, metadata=flag("seconds per regime", name="--timeout", default_text="from the sizes")
     )
@@ -174,7 +153,7 @@ class BenchConfig:
             check_int("sizes", size, minimum=4)
             if size % 4:
                 raise ValueError(f"Argument 'sizes' must be multiples of 4 bytes (float32), not {size}.")
-        default = (n, 2 * n) if g == 1 else tuple(sorted({2 * (n // g), 2 * n}))
+        default = (2 * n,) if g == 1 else tuple(sorted({2 * (n // g), 2 * n}))
         comps = self.components if self.components is not None else default
         for c in comps:
             check_int("components", c, minimum=1)
@@ -199,6 +178,7 @@ class BenchConfig:
         check_int("iters", self.iters, minimum=1)
         check_int("warmup", self.warmup, minimum=0)
         check_int("seed", self.seed, minimum=0)
+        check_float("auto_max_error", self.auto_max_error, positive=True)
         if self.timeout_s is not None:
             check_float("timeout_s", self.timeout_s, positive=True)
         # Frozen: the normal forms are set once, here.

@@ -42,6 +42,9 @@ class AllReduceMethod:
         hierarchical: exact inside each node, the algorithm only between nodes
             (:mod:`cerar.comm.hierarchical`): ``traffic`` and ``rounds`` are then functions of the
             number of nodes ``M`` (and the code is for ``M``), and each rank sends ``1/G`` of it.
+        options: case keys passed to ``call`` as keywords (``auto``: ``max_error``).
+        calibrating: ``calibrating(tensor, **options)`` is True while the method still calibrates
+            for this size (``auto``): the worker runs such calls untimed, before the warm-up.
     """
 
     name: str
@@ -55,6 +58,8 @@ class AllReduceMethod:
     requires: str | None = "cerar.comm.collective"
     packet_precision: str = "fp32"
     hierarchical: bool = False
+    options: tuple[str, ...] = ()
+    calibrating: Callable[..., bool] | None = None
 
     def ring_size(self, world_size: int, ranks_per_node: int = 1) -> int:
         """The size of the ring the algorithm runs on: ``M`` nodes if hierarchical, else ``N``."""
@@ -126,6 +131,22 @@ def _cerar_16(packet: str) -> Call:
         all_reduce(tensor, code=code, packet_dtype=getattr(torch, packet), stats=stats)
 
     return call
+
+
+def _auto(tensor: Any, code: Code | None, stats: CommStats | None, max_error: float | None = None) -> None:
+    from cerar.comm.collective import all_reduce
+
+    all_reduce(tensor, method="auto", max_error=max_error, stats=stats)
+
+
+def _auto_calibrating(tensor: Any, max_error: float | None = None) -> bool:
+    """Whether ``method="auto"`` has not yet decided for this tensor's size and budget."""
+    from cerar.comm.auto_collective import auto_status
+
+    for stream in auto_status():
+        if stream["numel"] == tensor.numel() and stream["max_error"] == max_error:
+            return not stream["decided"]
+    return True
 
 
 def _ranks_per_node() -> int | None:
@@ -208,6 +229,14 @@ ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = {
             traffic=_cerar_traffic,
             rounds=_cerar_rounds,
             packet_precision="bf16",
+        ),
+        AllReduceMethod(
+            "auto",
+            "cerar.all_reduce(method='auto'): the fastest of builtin, ring-fp16, cerar, cerar-fp16 within "
+            "--auto-max-error, decided from its own calls (calibration untimed)",
+            _auto,
+            options=("max_error",),
+            calibrating=_auto_calibrating,
         ),
         AllReduceMethod(
             "hier-ring",

@@ -39,7 +39,7 @@ def format_table(doc: dict[str, Any]) -> str:
             head += ", loopback, unlimited"
         lines += [head, ""]
         header = (
-            f"  {'size':>5}  {'method':<16} {'time ms':>8} {'[min..max]':>17} {'busbw MB/s':>10} "
+            f"  {'size':>5}  {'method':<24} {'time ms':>8} {'pred ms':>8} {'[min..max]':>17} {'busbw MB/s':>10} "
             f"{'x builtin':>9} {'x theory':>8} {'MB/rank':>8} {'x wire':>6} {'enc ms':>7} {'dec ms':>7} "
             f"{'x limit':>7} {'worst err':>9}"
         )
@@ -53,8 +53,9 @@ def format_table(doc: dict[str, Any]) -> str:
             wire_text = "-" if wire is None else f"{wire:.2f}"
             limit = r.get("coding_limit_ratio")
             limit_text = "-" if limit is None else f"{limit:.1f}"
+            label = series_label(r, several) + (f" -> {r['auto']['method']}" if r.get("auto") else "")
             lines.append(
-                f"  {size:>5}  {series_label(r, several):<16} {_ms(r['time_median_s']):>8} {spread:>17} "
+                f"  {size:>5}  {label:<24} {_ms(r['time_median_s']):>8} {_ms(r.get('predicted_s')):>8} {spread:>17} "
                 f"{r['busbw_bytes_per_s'] / 1e6:>10.1f} {_ratio(r['ratio_to_builtin']):>9} "
                 f"{_ratio(r['theory_ratio_to_builtin']):>8} {r['bytes_sent_per_rank'] / 1e6:>8.2f} "
                 f"{wire_text:>6} {_ms(r['encode_s']):>7} {_ms(r['decode_s']):>7} {limit_text:>7} "
@@ -70,7 +71,9 @@ def format_table(doc: dict[str, Any]) -> str:
         "builtin); x wire: time / (MB per rank / measured link rate); worst err: max over ranks of",
         "||result - exact sum|| / ||exact sum||; x limit: (enc + dec) / the bytes the coding must move at",
         "the slowest rank's measured copy rate (cerar.experiments.bench.limit). alpha*: the free fit gave a",
-        "negative latency (bandwidth-bound sweep); refitted with alpha = 0.",
+        "negative latency (bandwidth-bound sweep); refitted with alpha = 0. pred ms: auto's cost model",
+        "(rounds x alpha + bytes/rank x beta + values x gamma, one fit per regime over every method); auto ->",
+        "the method auto chose at that size (its calibration calls are not timed).",
     ]
     m = doc.get("machine", {})
     if m:
@@ -88,7 +91,18 @@ def _model_lines(doc: dict[str, Any], regime: str) -> list[str]:
     if not fits:
         return []
     several = len({f["construction"] for f in fits if f["construction"]}) > 1
-    out = ["", "  alpha-beta model  t = rounds x alpha + bytes/rank x beta"]
+    out = []
+    for model in (m for m in doc.get("model", []) if m["regime"] == regime):
+        alphas = ", ".join(f"{t} {a * 1e6:.0f}" for t, a in model["alpha_s_per_round"].items())
+        gammas = ", ".join(f"{k} {g * 1e9:.2f}" for k, g in model["gamma_s_per_value"].items())
+        bandwidth = model["bandwidth_bytes_per_s"]
+        out += [
+            "",
+            f"  auto's cost model  {model['formula']}  (worst misfit {model['max_rel_residual']:.0%})",
+            f"    alpha us/round: {alphas}; 1/beta {'-' if bandwidth is None else f'{bandwidth / 1e6:.1f}'} MB/s;"
+            f" gamma ns/value: {gammas or '-'}",
+        ]
+    out += ["", "  alpha-beta model  t = rounds x alpha + bytes/rank x beta"]
     for f in fits:
         bw = f["bandwidth_bytes_per_s"]
         star = "*" if f.get("alpha_clamped") else " "

@@ -34,6 +34,7 @@ from cerar.experiments.bench.config import (
     parse_size,
 )
 from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, BASELINE, get_method
+from cerar.experiments.bench.model import add_predictions
 from cerar.experiments.bench.schema import SCHEMA_VERSION, add_ratios, machine_info, make_record, versions
 from cerar.experiments.bench.stats import crossover, fit_alpha_beta, measured_crossover
 from cerar.harness import netem
@@ -71,6 +72,8 @@ def build_cases(config: BenchConfig) -> list[dict[str, Any]]:
         method = get_method(name)
         if not method.coded:
             series.append({"method": name, "components": None, "construction": None, "code": None})
+            if "max_error" in method.options:
+                series[-1]["max_error"] = config.auto_max_error
             continue
         for construction in config.constructions:
             for c in config.components or ():
@@ -97,7 +100,8 @@ def estimate_timeout_s(cases: Sequence[dict[str, Any]], config: BenchConfig, reg
     per_case = config.warmup + config.iters + 1
     total = 120.0
     for case in cases:
-        total += per_case * (0.5 + 4.0 * 2.0 * case["size_bytes"] / bandwidth)
+        calls = per_case + (24 if get_method(case["method"]).calibrating is not None else 0)  # auto's trials
+        total += calls * (0.5 + 4.0 * 2.0 * case["size_bytes"] / bandwidth)
     return total
 
 
@@ -130,6 +134,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Log | None = N
             bar.close()
     add_ratios(records, BASELINE)
     fits, crossovers = analyse(records, config.world_size, config.ranks_per_node)
+    model = add_predictions(records, config.world_size)
     slow = regime_info.get("slow", {})
     return {
         "schema_version": SCHEMA_VERSION,
@@ -155,6 +160,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Log | None = N
         "results": records,
         "fits": fits,
         "crossovers": crossovers,
+        "model": model,
     }
 
 
@@ -285,6 +291,8 @@ def analyse(records: list[dict[str, Any]], world_size: int, ranks_per_node: int 
     for key, rows in groups.items():
         rows.sort(key=lambda r: r["size_bytes"])
         method = ALL_REDUCE_METHODS[key[1]]
+        if method.calibrating is not None:
+            continue  # auto is another method at each size: its fit is its choices
         fit = fit_alpha_beta(
             [r["size_bytes"] for r in rows],
             [r["bytes_sent_per_rank"] for r in rows],

@@ -20,6 +20,11 @@ null for ``builtin``), ``theory_inter_node_bytes_per_node`` its theory (per valu
 ``2(N-1)/N``, flat CERAR ``1 + (N-2)/c``, ``hier-ring`` ``2(M-1)/M``, ``hier-cerar``
 ``1 + (M-2)/c``), and ``node_wire_bytes`` what the busiest node's one link really sent (``slow``
 with nodes; null otherwise).
+
+The cost model (:mod:`cerar.experiments.bench.model`): ``model`` holds its constants per regime
+and every flat method's record its ``predicted_s`` beside the measured ``time_median_s`` (auto's:
+the prediction for the method it chose, which its ``auto`` entry names with the reason and the
+calibration calls it took; null for methods the model does not cover).
 """
 
 from __future__ import annotations
@@ -87,9 +92,12 @@ def make_record(
     timing = summarize(raw["times_s"])
     theory = method.theory_bytes_per_rank(size, world_size, components, ranks_per_node)
     node_theory = method.theory_bytes_per_node(size, world_size, components, ranks_per_node)
+    auto = raw.get("auto")
+    if auto is not None:  # auto's bytes are those of the method it chose
+        theory = node_theory = auto["bytes_per_value"] * size / 4.0
     inter_node = raw.get("inter_node_bytes")
     node_wire = raw.get("node_wire_bytes")
-    if method.transport_stats and raw.get("bytes_sent"):
+    if method.transport_stats and raw.get("bytes_sent") and max(raw["bytes_sent"]) > 0:
         sent: float = float(statistics.median(raw["bytes_sent"]))
         source = "transport"
     else:
@@ -137,6 +145,8 @@ def make_record(
         "inter_node_bytes_per_node": float(statistics.median(inter_node)) if inter_node else None,
         "theory_inter_node_bytes_per_node": node_theory,
         "node_wire_bytes": float(statistics.median(node_wire)) if node_wire else None,
+        "auto": auto,
+        "predicted_s": None,
     }
 
 

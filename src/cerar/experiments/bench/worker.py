@@ -34,6 +34,8 @@ from cerar.harness.rank import rank_process
 
 #: The kind of this worker's progress lines (see :mod:`cerar.harness.progress`).
 PROGRESS_KIND = "bench"
+#: The most untimed calls a self-calibrating method may take for one size.
+MAX_CALIBRATION = 200
 
 
 def _tx_bytes() -> int | None:
@@ -92,6 +94,15 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
     times, encode, decode, handshake, sent, wire, node_wire = [], [], [], [], [], [], []
     per_node = int(config.get("ranks_per_node", 1))
     rank = dist.get_rank()
+    options = {name: case[name] for name in method.options}
+    calibration = 0
+    # A method that calibrates itself (auto) does so first, untimed, as many calls as it needs
+    # (every rank runs the same calls, so every rank knows the same answer).
+    while method.calibrating is not None and method.calibrating(x, **options) and calibration < MAX_CALIBRATION:
+        buf.copy_(x)
+        dist.barrier()
+        method.call(buf, code, None, **options)
+        calibration += 1
     # Bytes leaving the node at the transport: every rank's for the hierarchical methods, the
     # node's last rank's (its ring hop is the one out of the node) for the flat ones.
     crosses = method.hierarchical or rank % per_node == per_node - 1
@@ -101,7 +112,7 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
         tx_before = _tx_bytes()
         dist.barrier()
         started = time.perf_counter()
-        method.call(buf, code, stats)
+        method.call(buf, code, stats, **options)
         elapsed = time.perf_counter() - started
         tx_after = _tx_bytes()
         if it >= warmup:
@@ -118,7 +129,7 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
 
     # The accuracy pass: same input, untimed, compared with the exact float64 sum.
     buf.copy_(x)
-    method.call(buf, code, None)
+    method.call(buf, code, None, **options)
     diff = torch.linalg.vector_norm(buf.to(torch.float64) - exact)
     error = float(diff / torch.linalg.vector_norm(exact))
     progress.tick(label)
@@ -155,7 +166,20 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
         "node_wire_bytes": reduce_max(node_wire),
         "rel_errors": [float(e.item()) for e in errors],
         "copy_bandwidth": config.get("copy_bandwidth"),
+        "auto": _auto_choice(x, calibration) if method.calibrating is not None else None,
     }
+
+
+def _auto_choice(x: Any, calibration: int) -> dict[str, Any] | None:
+    """What ``method="auto"`` chose for this size: the choice, the candidates, the calibration."""
+    from cerar.comm.auto_collective import auto_status
+
+    for stream in auto_status():
+        if stream["numel"] == x.numel() and stream["choice"] is not None:
+            chosen = next(c for c in stream["candidates"] if c["label"] == stream["choice"]["method"])
+            return {**stream["choice"], **{k: chosen[k] for k in ("bytes_per_value", "predicted_error")},
+                    "calibration_calls": calibration}  # fmt: skip
+    return None
 
 
 def _slowest_copy_bandwidth() -> float:

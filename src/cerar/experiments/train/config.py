@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -106,6 +107,7 @@ class TrainConfig:
     Args:
         method: a key of :data:`~cerar.experiments.train.methods.HOOKS`.
         components: ``cerar``: the code's ``c`` (``None``: ``2N``).
+        max_error: ``auto``: the error budget (``None``: the library's, 0.1), from ``auto:1e-3``.
         packet: ``cerar``: 16-bit packets, ``"fp16"`` or ``"bf16"`` (``None``: float32), from
             the spec ``cerar:8:fp16``; the code is then tuned for that precision.
         seed: initial weights and data order.
@@ -154,6 +156,7 @@ class TrainConfig:
     divergence_tol: float | None = field(
         default=None, metadata=flag("cerar/ring: re-sync when the replicas diverge more than this", default_text="off")
     )
+    max_error: float | None = None
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, HOOKS)
@@ -183,6 +186,10 @@ class TrainConfig:
             check_int("resync_every", self.resync_every, minimum=1)
         if self.divergence_tol is not None:
             check_float("divergence_tol", self.divergence_tol, positive=True)
+        if self.max_error is not None:
+            check_float("max_error", self.max_error, positive=True)
+            if self.method != "auto":
+                raise ValueError(f"Argument 'max_error' applies to method 'auto' only, not {self.method!r}.")
 
     @property
     def name(self) -> str:
@@ -191,6 +198,8 @@ class TrainConfig:
             return f"{self.method}-c{self.components}" + (f"-{self.packet}" if self.packet else "")
         if self.method == "powersgd":
             return f"{self.method}-r{self.powersgd_rank}"
+        if self.method == "auto" and self.max_error is not None:
+            return f"auto-{self.max_error:g}"
         return self.method
 
     @property
@@ -241,7 +250,7 @@ PACKETS = ("fp16", "bf16")
 
 def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
     """``"cerar"``, ``"cerar:12"``, ``"cerar:3N"``, ``"cerar:8:fp16"``, ``"cerar:2N:bf16"``,
-    ``"powersgd:2"``, ``"fp16"``... into ``(method, overrides)`` with ``overrides`` the
+    ``"powersgd:2"``, ``"auto:1e-3"``, ``"fp16"``... into ``(method, overrides)`` with ``overrides`` the
     TrainConfig fields it sets (the hook's
     :attr:`~cerar.experiments.train.methods.Hook.parameter`, and ``packet``)."""
     world_size = check_int("world_size", world_size, minimum=1)
@@ -261,8 +270,16 @@ def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
     if not param:
         return name, ({hook.parameter: 2 * world_size} if hook.per_rank and hook.parameter else {})
     if hook.parameter is None:
-        with_parameter = " and ".join(h.name for h in HOOKS.values() if h.parameter)
+        with_parameter = ", ".join(h.name for h in HOOKS.values() if h.parameter)
         raise ValueError(f"Argument 'method' takes a parameter only for {with_parameter}, not {spec!r}.")
+    if hook.parameter == "max_error":  # auto:1e-3, the error budget
+        try:
+            budget = float(param)
+        except ValueError:
+            budget = math.nan
+        if not (math.isfinite(budget) and budget > 0):
+            raise ValueError(f"Argument 'method' must look like 'auto:1e-3' (a positive error budget), not {spec!r}.")
+        return name, {"max_error": budget}
     match = re.fullmatch(r"(\d+)(N?)", param)
     if match is None or (match.group(2) and not hook.per_rank):
         raise ValueError(f"Argument 'method' must look like 'cerar:8', 'cerar:3N' or 'powersgd:2', not {spec!r}.")

@@ -16,6 +16,9 @@ method         hook                                                        bytes
 ``cerar``      :func:`cerar.comm.ddp.cerar_hook` with ``perturbed(N, c)``        measured
                (``cerar:c:fp16``/``:bf16``: 16-bit packets, ``optimized(N, c)``
                designed for that precision)
+``auto``       :func:`cerar.comm.ddp.auto_hook`: each bucket by the fastest  measured (CERAR),
+               of exact, fp16, CERAR float32 and 16-bit within the budget   computed (torch's)
+               (``auto:1e-3``: ``max_error``), decided from measured steps
 =============  ==========================================================  ==================
 
 "Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.stats.CommStats`);
@@ -68,6 +71,7 @@ class HookSettings(Protocol):
     resync_every: int | None
     divergence_tol: float | None
     min_bucket_mb: float
+    max_error: float | None
 
 
 @dataclass
@@ -89,8 +93,9 @@ class InstalledHook:
 
         if isinstance(self.state, CerarState):
             stats = self.state.stats
+            computed = self.bytes_computed + getattr(self.state, "torch_bytes", 0)  # auto's torch buckets
             return {
-                "bytes_sent": float(stats.bytes_sent + self.bytes_computed),  # + exact buckets' computed
+                "bytes_sent": float(stats.bytes_sent + computed),  # + exact buckets' computed
                 "collectives": float(self.collectives),
                 "encode_s": stats.encode_s,
                 "decode_s": stats.decode_s,
@@ -210,6 +215,38 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     return installed, cerar_hook if coded else ring_hook, state, count
 
 
+def _build_auto(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
+    """``auto``: :class:`cerar.comm.ddp.AutoState` with the budget ``max_error`` (default the
+    library's, 0.1); the decisions and the last step's buckets go to the run's ``method_info``."""
+    from cerar.coding.code import MAX_ERROR
+    from cerar.comm.ddp import AutoState, auto_hook
+
+    budget = MAX_ERROR if config.max_error is None else config.max_error
+    installed = InstalledHook("auto", True, f"auto_hook (max_error {budget:g})")
+
+    def on_step(state: Any, record: Any) -> None:
+        # The description says where the buckets went; the extra keeps every decision.
+        methods = [b.method for b in record.buckets]
+        counts = ", ".join(f"{m} x{methods.count(m)}" for m in dict.fromkeys(methods))
+        installed.description = f"auto_hook (max_error {budget:g}): {counts}"
+        installed.extra.update(last_step=record.describe(), plan=state.plan, decisions=state.decisions)
+
+    state = AutoState(
+        max_error=budget,
+        nonfinite=config.nonfinite,
+        resync_every=config.resync_every,
+        divergence_tol=config.divergence_tol,
+        on_step=on_step,
+    )
+    installed.state = state
+    installed.extra = {"max_error": budget, "plan": [], "decisions": [], "last_step": []}
+
+    def count(bucket: dist.GradBucket) -> None:
+        installed.collectives += 1  # bytes: the transport's (CERAR) and state.torch_bytes (torch's)
+
+    return installed, auto_hook, state, count
+
+
 def _build_hierarchical(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
     """``hier-cerar`` (``perturbed(M, c)`` between the ``M`` nodes) or ``hier-ring`` (the exact
     ring between nodes), exact inside each node (:mod:`cerar.comm.hierarchical`)."""
@@ -315,6 +352,7 @@ HOOKS: dict[str, Hook] = {
         Hook("allreduce", "allreduce", _builtin("allreduce_hook", 4, "allreduce_hook (= DDP's default)")),
         Hook("ring", "ring", _build_cerar_or_ring),
         Hook("cerar", "cerar[:c|:kN][:fp16|:bf16]", _build_cerar_or_ring, parameter="components", per_rank=True),
+        Hook("auto", "auto[:max_error]", _build_auto, parameter="max_error"),
         Hook("hier-ring", "hier-ring", _build_hierarchical, hierarchical=True),
         Hook(
             "hier-cerar", "hier-cerar[:c|:kM]", _build_hierarchical, parameter="components", per_rank=True,

@@ -1,0 +1,243 @@
+"""``cerar.all_reduce(tensor, ..., method="auto")``: each call by the fastest method within the
+error budget, decided from the calls themselves, the same on every rank.
+
+The calls of one size (and dtype, op, budget) on one group form a stream that an
+:class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
+exact, then ``trials`` calls of each candidate (:mod:`cerar.comm.auto_candidates`, collective
+context: ``exact`` is ``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a
+float16 wire, then CERAR with float32 and float16 packets), then the decision, agreed on a side
+Gloo group that the first ``method="auto"`` call on the group creates (every rank makes its
+calls in the same order, so every rank creates it there). A call's measured time is its own
+wall time (``async_op=True``: from its start, or the previous completion if later, to its
+completion); before the ranks agree, the calls still in flight are waited for, so that every
+measurement is in.
+
+:func:`auto_status` lists each stream's phase and choice. An error raised when a candidate
+starts (argument or code checks, the same on every rank) or a handshake mismatch makes that call
+exact (``"fallback"``, on the side group for a mismatch, whose input is intact) and rules the
+candidate out at the next decision.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cerar.coding.code import MAX_ERROR, check_max_error
+from cerar.comm.auto_candidates import Candidate, build_candidates
+from cerar.comm.auto_engine import AutoConfig, AutoEngine, SideGroup, new_side_group
+from cerar.comm.call_checks import check_bool, check_op, check_stats, check_tensor
+from cerar.comm.calls import cerar_call, ring_call, ring_of
+from cerar.comm.policies import NONFINITE_POLICIES
+from cerar.comm.stats import CommStats
+from cerar.comm.worker_thread import COMM
+
+__all__ = ["AutoWork", "auto_all_reduce", "auto_status"]
+
+_PACKETS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class AutoWork:
+    """Handle of an async ``method="auto"`` call, shaped like ``torch.distributed.Work``."""
+
+    def __init__(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self._future
+
+
+class _GroupAuto:
+    """One group's side group, its streams (one engine per size) and the calls in flight."""
+
+    __slots__ = ("lock", "outstanding", "side", "streams", "transport_done")
+
+    def __init__(self, side: SideGroup) -> None:
+        self.side = side
+        self.streams: dict[tuple[Any, ...], tuple[AutoEngine, list[int]]] = {}  # key -> (engine, [calls])
+        self.outstanding: list[torch.futures.Future[Any]] = []
+        self.transport_done = 0.0
+        self.lock = threading.Lock()
+
+
+_GROUPS: weakref.WeakKeyDictionary[Any, _GroupAuto] = weakref.WeakKeyDictionary()
+
+
+def auto_all_reduce(
+    tensor: torch.Tensor,
+    op: Any = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    max_error: float | None = MAX_ERROR,
+    nonfinite: str = "raise",
+    stats: CommStats | None = None,
+    config: AutoConfig | None = None,
+) -> AutoWork | None:
+    """Sum (or average) ``tensor`` over ``group`` in place by the method auto chooses for its
+    size (see the module doc); ``max_error`` is the error budget, ``config`` the schedule and
+    knobs (default ``AutoConfig()``). Returns None, an :class:`AutoWork` with ``async_op``, and
+    None on ranks outside ``group``."""
+    check_tensor(tensor)
+    reduce_op = check_op(op)
+    async_op = check_bool("async_op", async_op)
+    check_stats(stats)
+    budget = check_max_error(max_error)
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"Argument 'nonfinite' must be one of {NONFINITE_POLICIES}, not {nonfinite!r}.")
+    config = config if config is not None else AutoConfig()
+    if not isinstance(config, AutoConfig):
+        raise TypeError(f"Argument 'config' must be a cerar.ddp.AutoConfig or None, not {type(config).__name__}.")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    if dist.get_rank(group) < 0:
+        return None
+    shared = _group_auto(group)
+    key = (tensor.numel(), str(tensor.dtype), reduce_op, budget, nonfinite, config)
+    if key not in shared.streams:
+        candidates, _ = build_candidates(dist.get_world_size(group), budget, config.candidates, "collective")
+        shared.streams[key] = (AutoEngine(candidates, config, shared.side, steps=False), [0])
+    engine, counter = shared.streams[key]
+    step = counter[0]
+    counter[0] += 1
+    if engine.agreement_due(step):  # every measurement must be in before the ranks agree
+        _drain(shared)
+    engine.begin_step(step)
+    choice = engine.choose(step, 0, tensor.numel(), tensor.numel() * tensor.element_size())
+    candidate = engine.candidates[choice.candidate]
+    started = time.perf_counter()
+    try:
+        future = _start(candidate, tensor, reduce_op, group, nonfinite, stats)
+    except (ValueError, TypeError):  # before any data moved, the same on every rank
+        engine.measured(step, 0, choice.candidate, math.inf)
+        candidate, choice = engine.candidates[0], None
+        future = _start(candidate, tensor, reduce_op, group, nonfinite, stats)
+
+    def measure(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
+        from cerar.comm.handshake import SettingsMismatchError
+
+        try:
+            fut.value()
+        except SettingsMismatchError:
+            _exact_on(shared.side.group, tensor, reduce_op)
+            engine.measured(step, 0, engine.candidates.index(candidate), math.inf)
+            return [tensor]
+        done = time.perf_counter()
+        with shared.lock:
+            seconds = done - max(started, shared.transport_done)
+            shared.transport_done = done
+        if choice is not None:
+            engine.measured(step, 0, choice.candidate, seconds)
+        return [tensor]
+
+    chained = future.then(measure)
+    if not async_op:
+        chained.wait()
+        return None
+    with shared.lock:
+        shared.outstanding = [f for f in shared.outstanding if not f.done()] + [chained]
+    return AutoWork(chained)
+
+
+def auto_status(group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
+    """Each ``method="auto"`` stream on ``group``: size, dtype, op, budget, calls made, phase,
+    the candidates and the current choice (None before the decision) as plain values."""
+    shared = _GROUPS.get(dist.group.WORLD if group is None else group)
+    if shared is None:
+        return []
+    out = []
+    for (numel, dtype, op, budget, _, _), (engine, counter) in shared.streams.items():
+        kind, _, _ = engine.phase(counter[0])
+        out.append(
+            {
+                "numel": numel,
+                "dtype": dtype,
+                "op": op,
+                "max_error": budget,
+                "calls": counter[0],
+                "phase": kind,
+                "decided": bool(engine.plan),
+                "candidates": [c.describe() for c in engine.candidates],
+                "choice": engine.describe(0) if 0 in engine.plan else None,
+                "history": engine.history,
+            }
+        )
+    return out
+
+
+def _group_auto(group: dist.ProcessGroup | None) -> _GroupAuto:
+    pg = dist.group.WORLD if group is None else group
+    shared = _GROUPS.get(pg)
+    if shared is None:
+        shared = _GROUPS[pg] = _GroupAuto(new_side_group(group))
+    return shared
+
+
+def _drain(shared: _GroupAuto) -> None:
+    """Wait for the calls in flight (their errors reach their own handles, not here)."""
+    with shared.lock:
+        pending, shared.outstanding = shared.outstanding, []
+    for future in pending:
+        try:
+            future.wait()
+        except Exception:
+            pass
+
+
+def _start(
+    candidate: Candidate,
+    tensor: torch.Tensor,
+    op: str,
+    group: dist.ProcessGroup | None,
+    nonfinite: str,
+    stats: CommStats | None,
+) -> torch.futures.Future[Any]:
+    """Start ``candidate`` on ``tensor``: a future that completes with the result in place. The
+    cerar candidates run as ``cerar.all_reduce`` / ``ring_all_reduce`` run them (one call on the
+    communication thread), their settings already checked: the code is auto's own, for the group."""
+    if candidate.name == "exact":
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        size = dist.get_world_size(group)
+        handle = dist.all_reduce(work, group=group, async_op=True)
+
+        def finish(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
+            fut.value()
+            if op == "avg":
+                work.div_(size)
+            if work is not tensor:
+                tensor.copy_(work)
+            return [tensor]
+
+        return handle.get_future().then(finish)
+    ring = ring_of(group)
+    assert ring is not None  # a member: checked by the caller
+    if candidate.components is None:
+        job = functools.partial(ring_call, tensor.detach(), op, ring, _PACKETS[candidate.wire], stats)
+    else:
+        packet = _PACKETS[candidate.wire]
+        job = functools.partial(cerar_call, tensor.detach(), op, ring, candidate.code, nonfinite, stats, packet)
+    return COMM.submit(job, tensor, True).get_future()
+
+
+def _exact_on(group: dist.ProcessGroup | None, tensor: torch.Tensor, op: str) -> None:
+    """The exact sum (or average) on ``group``, blocking: a failed call's redo."""
+    work = tensor.contiguous()
+    dist.all_reduce(work, group=group)
+    if op == "avg":
+        work.div_(dist.get_world_size(group))
+    if work is not tensor:
+        tensor.copy_(work)

@@ -1,0 +1,387 @@
+"""The calibration schedule of ``method="auto"`` and its decisions, the same on every rank.
+
+An :class:`AutoEngine` drives one stream of steps (DDP backward passes; for the collective, the
+calls of one size) whose slots (DDP's buckets; the collective's one tensor) keep their sizes.
+Its schedule depends on the step count alone, which every rank shares:
+
+1. ``warmup`` steps: every slot exact (DDP rebuilds its buckets after the first);
+2. ``trials`` steps per candidate, exact first: every slot of the step by that candidate, so
+   that whole steps compare (CERAR's coding competes with backward for the cores); the first
+   step of each trial warms the method up and is not counted;
+3. the decision, at the first slot of the next step: the ranks agree their measurements by an
+   elementwise maximum (the slowest rank's) on a side group, fit the cost model
+   (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
+   then agreed as the elementwise smallest candidate index, so that no platform's rounding
+   can split the ranks;
+4. windows of ``verify_every`` steps by the plan, each agreed at its end: a slot by CERAR
+   measured slower than predicted (by ``verify_tol``) or than its baseline goes to the
+   baseline (``"verify"``); after the first window that ran the plan unchanged, a plan whose
+   median step is slower than the fastest single method's trial steps (by ``step_tol``)
+   becomes that method (``"step"``);
+5. a new calibration after ``redecide_every`` steps of the plan, or at the step after a slot's
+   size changed (DDP rebuilt its buckets), with the previous plan as the hysteresis reference.
+
+The side group is a Gloo group over the caller's ranks, created once by the caller (every rank
+at the same point): nothing is added on the caller's own group. A measurement missing on a rank
+travels as -1 (another rank's wins the maximum), a failed call as inf (the candidate is out).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cerar._checks import check_float, check_int
+from cerar.comm.auto_candidates import CANDIDATE_NAMES, DEFAULT_CANDIDATES, Candidate
+from cerar.comm.auto_model import Choice, CostModel, decide_slot, fit_cost_model
+from cerar.comm.auto_pins import PinnedTable
+
+__all__ = ["AutoConfig", "AutoEngine", "SideGroup", "new_side_group"]
+
+MISSING = -1.0
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """The knobs of ``method="auto"`` (checked when built; steps are DDP backward passes, or for
+    the collective calls of one size).
+
+    Attributes:
+        warmup: exact steps before the trials (at least 1 in DDP is wise: buckets are rebuilt
+            after the first pass).
+        trials: steps per candidate (the first of each is not counted; at least 2).
+        margin: CERAR must be predicted this fraction faster than the best exact/16-bit ring.
+        hysteresis: at a re-decision, a slot changes method only for this fraction of gain.
+        verify_tol: a CERAR slot measured this fraction slower than predicted goes back.
+        step_tol: the plan's steps (and a CERAR slot against its baseline) may be this much slower.
+        verify_every: steps per verification window.
+        redecide_every: steps of a plan before the next calibration (``None``: never on a schedule).
+        candidates: the candidates' names (:data:`cerar.comm.auto_candidates.CANDIDATE_NAMES`).
+        pinned: a :class:`cerar.comm.auto_pins.PinnedTable`, its text, a path, or None.
+    """
+
+    warmup: int = 1
+    trials: int = 3
+    margin: float = 0.03
+    hysteresis: float = 0.05
+    verify_tol: float = 0.25
+    step_tol: float = 0.03
+    verify_every: int = 10
+    redecide_every: int | None = 1000
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    pinned: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        check_int("warmup", self.warmup, minimum=0)
+        check_int("trials", self.trials, minimum=2)
+        for name in ("margin", "hysteresis", "verify_tol", "step_tol"):
+            check_float(name, getattr(self, name), nonnegative=True, maximum=1.0)
+        check_int("verify_every", self.verify_every, minimum=1)
+        check_int("redecide_every", self.redecide_every, minimum=1, optional=True)
+        names = tuple(self.candidates) if isinstance(self.candidates, (list, tuple)) else ()
+        if not names or any(name not in CANDIDATE_NAMES for name in names):
+            raise ValueError(f"Argument 'candidates' must list names among {CANDIDATE_NAMES}, not {self.candidates!r}.")
+        object.__setattr__(self, "candidates", names)
+        object.__setattr__(self, "pinned", PinnedTable.load(self.pinned))
+
+    def calibration_steps(self, candidates: int) -> int:
+        """Steps from a calibration's start to its decision: warm-up plus the trials."""
+        return self.warmup + candidates * self.trials
+
+
+class SideGroup:
+    """The agreement: elementwise max (floats) and min (integers) over the side group's ranks."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        return self._reduce(torch.tensor(list(values), dtype=torch.float64), dist.ReduceOp.MAX)
+
+    def min(self, values: Sequence[int]) -> list[int]:
+        return [int(v) for v in self._reduce(torch.tensor(list(values), dtype=torch.int64), dist.ReduceOp.MIN)]
+
+    def _reduce(self, tensor: torch.Tensor, op: Any) -> list[Any]:
+        if tensor.numel():
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor.tolist()
+
+
+def new_side_group(process_group: dist.ProcessGroup | None) -> SideGroup:
+    """A Gloo group over ``process_group``'s ranks (every member must call it at the same
+    point), with the caller's timeout; a group smaller than the world is made by its members."""
+    from cerar.comm.transport import group_timeout
+
+    ranks = sorted(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    options: dict[str, Any] = {"ranks": ranks, "timeout": group_timeout(process_group), "backend": "gloo"}
+    if len(ranks) != dist.get_world_size():
+        options["use_local_synchronization"] = True
+    return SideGroup(dist.new_group(**options))
+
+
+class AutoEngine:
+    """The schedule and the decisions of one stream of steps (see the module doc).
+
+    Call :meth:`begin_step` before a step's first slot, :meth:`choose` for each slot (before it
+    runs) and :meth:`measured` when it is done (any thread). ``plan`` maps slots to the current
+    :class:`Choice`; ``history`` lists the decisions as plain values (``cerar train``'s JSON).
+    """
+
+    __slots__ = (
+        "_began", "_lock", "_previous", "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform",
+        "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
+        "plan", "start", "steps",
+    )  # fmt: skip
+
+    def __init__(
+        self, candidates: Sequence[Candidate], config: AutoConfig, agreement: SideGroup, *, steps: bool = True
+    ) -> None:
+        if not candidates or candidates[0].name != "exact":
+            raise ValueError("Argument 'candidates' must start with the exact candidate.")
+        config.pinned.check(candidates)
+        self.candidates, self.config, self.agreement, self.steps = list(candidates), config, agreement, steps
+        self.start: int | None = None
+        self.layout: dict[int, tuple[int, int]] = {}  # slot -> (numel, bytes), fixed by the first trial step
+        self.plan: dict[int, Choice] = {}
+        self.model: CostModel | None = None
+        self.history: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._previous: dict[int, tuple[int, int]] = {}  # slot -> (numel, candidate) for hysteresis
+        self._stale = False
+        self._steps_checked = False
+        self._began: tuple[int, float] | None = None  # the last step begun and when
+        self._trial: dict[tuple[int, int, int], float] = {}  # (candidate, trial, slot) -> seconds
+        self._trial_steps: dict[tuple[int, int], float] = {}  # (candidate, trial) -> step seconds
+        self._window: dict[tuple[int, int, int], float] = {}  # (window, step, slot) -> seconds
+        self._window_steps: dict[tuple[int, int], float] = {}
+        self._slot_times: dict[tuple[int, int], float] = {}  # agreed trial medians (candidate, slot)
+        self._uniform: list[float] = []  # agreed median trial step per candidate
+
+    # ---------------------------------------------------------------------------------------
+    def phase(self, step: int) -> tuple[str, int, int]:
+        """``("warmup", 0, i)``, ``("trial", candidate, i)``, ``("run", window, i)`` or
+        ``("old", -1, -1)`` (before the current calibration)."""
+        offset = step - (self.start if self.start is not None else step)
+        warmup, trials = self.config.warmup, self.config.trials
+        if offset < 0:
+            return ("old", -1, -1)
+        if offset < warmup:
+            return ("warmup", 0, offset)
+        decision = self.config.calibration_steps(len(self.candidates))
+        if offset < decision:
+            k, i = divmod(offset - warmup, trials)
+            return ("trial", k, i)
+        w, i = divmod(offset - decision, self.config.verify_every)
+        return ("run", w, i)
+
+    def agreement_due(self, step: int) -> bool:
+        """Whether :meth:`begin_step` of ``step`` may agree with the other ranks (a decision or a
+        verification): a caller with calls in flight lets them finish first."""
+        kind, _, offset = self.phase(step)
+        return kind == "run" and offset == 0
+
+    def begin_step(self, step: int, now: float = 0.0) -> None:
+        """Step ``step`` starts (at ``now``, ``time.perf_counter()``): the previous step's
+        duration is noted, and at the schedule's points the ranks agree and decide (a collective
+        on the side group: every rank calls this at the same step)."""
+        with self._lock:
+            if self._began is not None and self._began[0] == step - 1:
+                self._note_step(step - 1, now - self._began[1])
+            self._began = (step, now)
+        if self.start is None:
+            self._restart(step, "first")
+        elif self._stale:
+            self._restart(step, "size")
+        kind, index, offset = self.phase(step)
+        every = self.config.redecide_every
+        if kind == "run" and every is not None and index * self.config.verify_every + offset >= every:
+            self._restart(step, "schedule")
+            kind, index, offset = self.phase(step)
+        if kind == "run" and offset == 0:
+            self._decide(step) if index == 0 else self._verify(step, index - 1)
+
+    def choose(self, step: int, slot: int, numel: int, nbytes: int) -> Choice:
+        """The method of ``slot`` (``numel`` values, ``nbytes`` bytes) at ``step``."""
+        kind, index, offset = self.phase(step)
+        if kind in ("warmup", "old"):
+            return Choice(0, "warmup")
+        if kind == "trial" and index == 0 and offset == 0:
+            self.layout[slot] = (numel, nbytes)
+        if self.layout.get(slot) != (numel, nbytes) or (kind == "run" and slot not in self.plan):
+            self._stale = True
+            return Choice(0, "size")
+        if kind == "run":
+            return self.plan[slot]
+        allowed, _ = self.config.pinned.allowed(self.candidates, nbytes)
+        return Choice(index, "trial") if index in allowed else Choice(allowed[0], "pinned")
+
+    def measured(self, step: int, slot: int, candidate: int, seconds: float) -> None:
+        """``slot`` of ``step`` took ``seconds`` by ``candidate`` (``inf``: its call failed)."""
+        kind, index, offset = self.phase(step)
+        with self._lock:
+            if kind == "trial" and offset >= 1 and candidate == index:
+                self._trial[(index, offset - 1, slot)] = seconds
+            elif kind == "run" and slot in self.plan and self.plan[slot].candidate == candidate:
+                self._window[(index, offset, slot)] = seconds
+
+    # ---------------------------------------------------------------------------------------
+    def _note_step(self, step: int, seconds: float) -> None:
+        kind, index, offset = self.phase(step)
+        if kind == "trial" and offset >= 1:
+            self._trial_steps[(index, offset - 1)] = seconds
+        elif kind == "run":
+            self._window_steps[(index, offset)] = seconds
+
+    def _restart(self, step: int, reason: str) -> None:
+        with self._lock:
+            self._previous = {s: (self.layout[s][0], c.candidate) for s, c in self.plan.items() if s in self.layout}
+            self.start, self.layout, self._stale = step, {}, False
+            for table in (self._trial, self._trial_steps, self._window, self._window_steps):
+                table.clear()
+        self.history.append({"step": step, "event": "calibrate", "reason": reason})
+
+    def _decide(self, step: int) -> None:
+        slots, counted = sorted(self.layout), self.config.trials - 1
+        keys = [(k, j, s) for k in range(len(self.candidates)) for j in range(counted) for s in slots]
+        step_keys = [(k, j) for k in range(len(self.candidates)) for j in range(counted)] if self.steps else []
+        with self._lock:
+            local = [self._trial.get(key, MISSING) for key in keys]
+            local += [self._trial_steps.get(key, MISSING) for key in step_keys]
+        agreed = self.agreement.max(local)
+        at = dict(zip(keys, agreed, strict=False))
+        self._slot_times = {
+            (k, s): _median([at[(k, j, s)] for j in range(counted)], unknown=math.inf)
+            for k in range(len(self.candidates))
+            for s in slots
+        }
+        steps = agreed[len(keys) :]
+        self._uniform = [
+            _median(steps[k * counted : (k + 1) * counted], unknown=math.inf) for k in range(len(self.candidates))
+        ]
+        self.model = fit_cost_model(
+            (self.candidates[k], self.layout[s][0], t) for (k, s), t in self._slot_times.items()
+        )
+        plan = {s: self._decide_slot(s) for s in slots}
+        agreed_plan = self.agreement.min([plan[s].candidate for s in slots])
+        for s, candidate in zip(slots, agreed_plan, strict=True):
+            if candidate != plan[s].candidate:
+                plan[s] = self._choice(s, candidate, "agreed", plan[s].baseline)
+        self.plan, self._steps_checked = plan, False
+        self._record(step, "decide")
+
+    def _decide_slot(self, slot: int) -> Choice:
+        numel, nbytes = self.layout[slot]
+        predicted = [self._predict(k, slot) for k in range(len(self.candidates))]
+        allowed, pinned = self.config.pinned.allowed(self.candidates, nbytes)
+        previous = self._previous.get(slot)
+        choice = decide_slot(
+            self.candidates,
+            predicted,
+            allowed,
+            margin=self.config.margin,
+            hysteresis=self.config.hysteresis,
+            previous=previous[1] if previous is not None and previous[0] == numel else None,
+            pinned=pinned,
+        )
+        return replace(choice, measured_s=_finite(self._slot_times.get((choice.candidate, slot))))
+
+    def _predict(self, k: int, slot: int) -> float:
+        measured = self._slot_times.get((k, slot), math.inf)
+        if self.model is None or not math.isfinite(measured):
+            return math.inf  # never measured there, or failed: not a choice
+        return self.model.predict(self.candidates[k], self.layout[slot][0])
+
+    def _choice(self, slot: int, candidate: int, reason: str, baseline: int) -> Choice:
+        predicted = self._predict(candidate, slot)
+        measured = self._slot_times.get((candidate, slot))
+        return Choice(candidate, reason, _finite(predicted), _finite(measured), baseline)
+
+    def _verify(self, step: int, window: int) -> None:
+        slots, every, config = sorted(self.plan), self.config.verify_every, self.config
+        keys = [(window, j, s) for j in range(every) for s in slots]
+        step_keys = [(window, j) for j in range(every)] if self.steps else []
+        with self._lock:
+            local = [self._window.get(key, MISSING) for key in keys]
+            local += [self._window_steps.get(key, MISSING) for key in step_keys]
+            for table in (self._window, self._window_steps):
+                for key in [key for key in table if key[0] <= window]:
+                    del table[key]
+        agreed = self.agreement.max(local)
+        at = dict(zip(keys, agreed, strict=False))
+        before = dict(self.plan)
+        for s in slots:
+            choice = self.plan[s]
+            measured = _median([at[(window, j, s)] for j in range(every)], unknown=None)
+            if measured is None or self.candidates[choice.candidate].baseline or choice.reason == "pinned":
+                continue  # nothing measured, or nothing to go back to
+            base = self._slot_times.get((choice.baseline, s), math.inf)
+            slow = choice.predicted_s is None or measured > choice.predicted_s * (1 + config.verify_tol)
+            if slow or measured > base * (1 + config.step_tol):
+                self.plan[s] = self._choice(s, choice.baseline, "verify", choice.baseline)
+        plan_step = _median(agreed[len(keys) :], unknown=None)
+        # The steps compare once, in the first window that ran the plan as it stands.
+        if self.steps and not self._steps_checked and self.plan == before and plan_step is not None:
+            self._steps_checked = True
+            self._check_steps(slots, plan_step)
+        self._record(step, "verify")
+
+    def _check_steps(self, slots: list[int], plan_step: float) -> None:
+        """A plan slower than the fastest single method's trial steps becomes that method."""
+        known = [k for k, t in enumerate(self._uniform) if math.isfinite(t)]
+        if not known:
+            return
+        best = min(known, key=lambda k: (self._uniform[k], k))
+        if all(self.plan[s].candidate == best for s in slots):
+            return
+        if plan_step > self._uniform[best] * (1 + self.config.step_tol):
+            for s in slots:
+                allowed, pinned = self.config.pinned.allowed(self.candidates, self.layout[s][1])
+                if best in allowed and not pinned and self.plan[s].candidate != best:
+                    self.plan[s] = self._choice(s, best, "step", self.plan[s].baseline)
+
+    def _record(self, step: int, event: str) -> None:
+        self.history.append(
+            {
+                "step": step,
+                "event": event,
+                "model": None if self.model is None else self.model.as_dict(),
+                "step_s": dict(zip((c.label for c in self.candidates), map(_finite, self._uniform), strict=False)),
+                "buckets": [self.describe(s) for s in sorted(self.plan)],
+            }
+        )
+
+    def describe(self, slot: int) -> dict[str, Any]:
+        """The plan for ``slot`` as plain values: size, method, reason, predicted and measured."""
+        choice = self.plan[slot]
+        numel, nbytes = self.layout.get(slot, (None, None))
+        return {
+            "slot": slot,
+            "numel": numel,
+            "bytes": nbytes,
+            "method": self.candidates[choice.candidate].label,
+            "reason": choice.reason,
+            "predicted_s": choice.predicted_s,
+            "measured_s": choice.measured_s,
+        }
+
+
+def _median(values: Sequence[float], unknown: float | None) -> Any:
+    """The median of the known values (missing ones are -1), inf if a call failed, ``unknown``
+    if none is known."""
+    known = [v for v in values if v >= 0.0]
+    if not known:
+        return unknown
+    return math.inf if any(math.isinf(v) for v in known) else float(statistics.median(known))
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

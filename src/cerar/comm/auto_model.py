@@ -1,0 +1,212 @@
+"""The cost model of ``method="auto"`` and its decision for one bucket.
+
+The model, per process group (it extends ``cerar bench``'s alpha-beta fit to every method at
+once)::
+
+    t(candidate, values) = rounds x alpha[transport] + bytes_sent x beta + values x gamma[candidate]
+
+* ``alpha``: latency per round, one per transport (torch's ``all_reduce``, cerar's ring with its
+  handshake hops counted as rounds);
+* ``beta``: time per byte a rank sends, shared (the link is the same whoever drives it);
+* ``gamma``: time per value beyond moving the bytes (casts for the 16-bit rings, CERAR's encode
+  and decode, cerar's transport's own work), one per candidate; torch's exact float32
+  all-reduce has none (its reduction is per byte: it measures ``beta``).
+
+:func:`fit_cost_model` fits it to timed calls (each a median of the slowest rank's times) by
+non-negative least squares with relative weights (times span decades; every size counts alike).
+Measured under real traffic the ``gamma`` terms carry what coding costs while backward competes
+for the cores. :func:`decide_slot` then picks one bucket's method: the smallest predicted time,
+CERAR only when it beats the best exact/16-bit candidate by ``margin``, the previous choice kept
+unless the new one is ``hysteresis`` faster. Pure numpy/scipy: identical inputs give identical
+choices on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from cerar.comm.auto_candidates import Candidate
+
+__all__ = ["REASONS", "Choice", "CostModel", "decide_slot", "fit_cost_model"]
+
+#: Why a bucket went the way it did (``Choice.reason``).
+REASONS = {
+    "warmup": "the exact warm-up steps before the trials",
+    "trial": "a trial step of this candidate (every bucket of the step by it)",
+    "fastest": "the smallest predicted time within the budget",
+    "budget": "the only candidate within the error budget",
+    "margin": "CERAR was predicted faster, but not by the margin: the best exact/16-bit ring",
+    "hysteresis": "kept: the new best was not predicted faster by the hysteresis",
+    "pinned": "the user's pinned table restricts this size",
+    "verify": "measured slower than predicted or than the baseline: back to the baseline",
+    "step": "the chosen mix made steps slower than the best single method: that method",
+    "size": "a bucket size not calibrated (DDP rebuilt its buckets): exact until re-calibrated",
+    "fallback": "the candidate's call failed: exact for this call",
+    "agreed": "the ranks' proposals differed: the smallest candidate index among them",
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One bucket's method: the candidate's index, the reason (a key of :data:`REASONS`), its
+    predicted and measured (trial median) seconds where known, and the baseline it falls back to."""
+
+    candidate: int
+    reason: str
+    predicted_s: float | None = None
+    measured_s: float | None = None
+    baseline: int = 0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The fitted constants (see the module doc); ``predict`` gives a call's seconds.
+
+    Attributes:
+        alpha_s: seconds per round, per transport fitted.
+        beta_s_per_byte: seconds per byte sent per rank (``1 / beta``: the effective bandwidth).
+        gamma_s_per_value: seconds per value coded, per candidate label fitted.
+        points: timed sizes fitted; max_rel_residual: the worst relative misfit.
+    """
+
+    alpha_s: Mapping[str, float]
+    beta_s_per_byte: float
+    gamma_s_per_value: Mapping[str, float] = field(default_factory=dict)
+    points: int = 0
+    max_rel_residual: float = 0.0
+
+    def knows(self, candidate: Candidate) -> bool:
+        """Whether every term of ``candidate`` was fitted."""
+        return candidate.transport in self.alpha_s and (
+            not candidate.coding or candidate.label in self.gamma_s_per_value
+        )
+
+    def predict(self, candidate: Candidate, values: float) -> float:
+        """Predicted seconds of one call of ``candidate`` on ``values`` values (inf if unknown)."""
+        if not self.knows(candidate):
+            return math.inf
+        gamma = self.gamma_s_per_value.get(candidate.label, 0.0) if candidate.coding else 0.0
+        return (
+            candidate.rounds * self.alpha_s[candidate.transport]
+            + candidate.bytes_per_value * values * self.beta_s_per_byte
+            + values * gamma
+        )
+
+    def with_cluster(
+        self,
+        beta_s_per_byte: float | None = None,
+        gamma_s_per_value: Mapping[str, float] | None = None,
+        alpha_s: float | None = None,
+    ) -> CostModel:
+        """This model with a described link (``beta``), coding speeds (``gamma``) and latency
+        (``alpha``, every transport) put in: a prediction for another machine."""
+        return replace(
+            self,
+            alpha_s=dict(self.alpha_s) if alpha_s is None else dict.fromkeys(self.alpha_s, alpha_s),
+            beta_s_per_byte=self.beta_s_per_byte if beta_s_per_byte is None else beta_s_per_byte,
+            gamma_s_per_value=dict(self.gamma_s_per_value if gamma_s_per_value is None else gamma_s_per_value),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "formula": "t = rounds x alpha[transport] + bytes sent per rank x beta + values x gamma[method]",
+            "alpha_s_per_round": dict(self.alpha_s),
+            "beta_s_per_byte": self.beta_s_per_byte,
+            "bandwidth_bytes_per_s": 1.0 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else None,
+            "gamma_s_per_value": dict(self.gamma_s_per_value),
+            "points": self.points,
+            "max_rel_residual": self.max_rel_residual,
+        }
+
+
+def fit_cost_model(observations: Iterable[tuple[Candidate, float, float]]) -> CostModel | None:
+    """Fit ``(candidate, values, seconds)`` observations (non-finite or non-positive times are
+    left out) by non-negative least squares on relative errors; ``None`` without any."""
+    from scipy.optimize import nnls
+
+    rows = [(c, float(v), float(t)) for c, v, t in observations if math.isfinite(t) and t > 0 and v > 0]
+    if not rows:
+        return None
+    transports = sorted({c.transport for c, _, _ in rows})
+    coded = sorted({c.label for c, _, _ in rows if c.coding})
+    columns = [("alpha", t) for t in transports] + [("beta", "")] + [("gamma", label) for label in coded]
+    design = np.zeros((len(rows), len(columns)))
+    for i, (candidate, values, _) in enumerate(rows):
+        design[i, columns.index(("alpha", candidate.transport))] = candidate.rounds
+        design[i, columns.index(("beta", ""))] = candidate.bytes_per_value * values
+        if candidate.coding:
+            design[i, columns.index(("gamma", candidate.label))] = values
+    times = np.array([t for _, _, t in rows])
+    weighted = design / times[:, None]
+    scale = np.linalg.norm(weighted, axis=0)
+    scale[scale == 0] = 1.0  # a column no row uses stays 0
+    solution, _ = nnls(weighted / scale, np.ones(len(rows)))
+    solution = solution / scale
+    fitted = design @ solution
+    values_of = dict(zip(columns, (float(x) for x in solution), strict=True))
+    return CostModel(
+        alpha_s={t: values_of[("alpha", t)] for t in transports},
+        beta_s_per_byte=values_of[("beta", "")],
+        gamma_s_per_value={label: values_of[("gamma", label)] for label in coded},
+        points=len(rows),
+        max_rel_residual=float(np.max(np.abs(fitted - times) / times)),
+    )
+
+
+def decide_slot(
+    candidates: Sequence[Candidate],
+    predicted: Sequence[float],
+    allowed: Sequence[int],
+    *,
+    margin: float,
+    hysteresis: float,
+    previous: int | None = None,
+    pinned: bool = False,
+) -> Choice:
+    """One bucket's choice from each candidate's predicted seconds (``inf``: unknown or failed).
+
+    1. Among ``allowed`` (the budget's candidates the pinned table leaves; a pin's reason is
+       ``"pinned"``), the baseline is the exact/16-bit ring with the smallest prediction (exact
+       if none is known).
+    2. The fastest candidate wins if it is a baseline, or if it is predicted faster than the
+       baseline by ``margin`` (a fraction); else the baseline (``"margin"``).
+    3. ``previous`` (the choice before a re-decision) is kept unless the winner is predicted
+       faster than it by ``hysteresis`` (``"hysteresis"``).
+
+    Ties go to the lower index (exact first), so the result depends only on the numbers.
+    """
+    allowed = list(allowed)
+    if not allowed:
+        raise ValueError("Argument 'allowed' must name at least one candidate, not [].")
+
+    def best(indices: Sequence[int]) -> int | None:
+        known = [i for i in indices if math.isfinite(predicted[i])]
+        return min(known, key=lambda i: (predicted[i], i)) if known else None
+
+    baselines = [i for i in allowed if candidates[i].baseline]
+    baseline = best(baselines)
+    if baseline is None:
+        baseline = baselines[0] if baselines else allowed[0]
+    winner = best(allowed)
+    reason = "pinned" if pinned else "budget" if len(allowed) == 1 else "fastest"
+    if winner is None:
+        winner = baseline
+    elif not candidates[winner].baseline and not pinned:
+        base_time = predicted[baseline]
+        if math.isfinite(base_time) and not predicted[winner] < (1.0 - margin) * base_time:
+            winner, reason = baseline, "margin"
+    if (
+        previous is not None
+        and previous != winner
+        and previous in allowed
+        and math.isfinite(predicted[previous])
+        and not predicted[winner] < (1.0 - hysteresis) * predicted[previous]
+    ):
+        winner, reason = previous, "hysteresis"
+    chosen = predicted[winner]
+    return Choice(winner, reason, chosen if math.isfinite(chosen) else None, baseline=baseline)

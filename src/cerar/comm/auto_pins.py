@@ -1,0 +1,147 @@
+"""The pinned table of ``method="auto"``: the user's choice for a range of bucket sizes, as
+NCCL's tuner file pins an algorithm or a protocol for a range of message sizes.
+
+One row per line, comma separated, ``#`` starts a comment, ``-`` means "any" (for ``max_bytes``:
+no upper end)::
+
+    # min_bytes, max_bytes, algorithm, wire, c
+    0,   1M, ring,  -,    -     # under 1 MiB: an exact or 16-bit ring, whichever is fastest
+    16M, -,  cerar, fp16, -     # from 16 MiB: CERAR with float16 packets
+
+* ``min_bytes`` (inclusive) and ``max_bytes`` (exclusive) in bytes of the bucket's buffer
+  (``64K``, ``1M``: powers of 1024);
+* ``algorithm``: ``ring`` (exact or 16-bit rings) or ``cerar``;
+* ``wire``: ``fp32``, ``fp16`` or ``bf16``; ``c``: CERAR's components.
+
+A row fixes the knobs it names and leaves the others to the decision: the bucket goes by the
+fastest candidate (within the error budget) that matches. The first row whose range holds the
+size applies; sizes no row holds are decided freely. A row that matches no candidate within the
+budget raises ValueError naming the row when the candidates are known (the first bucket).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cerar._checks import check_choice, format_size, parse_size
+from cerar.comm.auto_candidates import Candidate
+
+__all__ = ["PinnedRow", "PinnedTable"]
+
+ALGORITHMS = ("ring", "cerar")
+WIRES = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class PinnedRow:
+    """``[min_bytes, max_bytes)`` (``max_bytes=None``: no upper end) and the knobs it fixes
+    (``None``: left to the decision)."""
+
+    min_bytes: int
+    max_bytes: int | None
+    algorithm: str | None = None
+    wire: str | None = None
+    components: int | None = None
+
+    def holds(self, nbytes: int) -> bool:
+        return self.min_bytes <= nbytes and (self.max_bytes is None or nbytes < self.max_bytes)
+
+    def matches(self, candidate: Candidate) -> bool:
+        return (
+            (self.algorithm is None or candidate.algorithm == self.algorithm)
+            and (self.wire is None or candidate.wire == self.wire)
+            and (self.components is None or candidate.components == self.components)
+        )
+
+    def __str__(self) -> str:
+        upper = "-" if self.max_bytes is None else format_size(self.max_bytes)
+        knobs = [self.algorithm or "-", self.wire or "-", "-" if self.components is None else str(self.components)]
+        return ",".join([format_size(self.min_bytes), upper, *knobs])
+
+
+@dataclass(frozen=True)
+class PinnedTable:
+    """The rows, in order; :meth:`parse` reads the text form (see the module doc)."""
+
+    rows: tuple[PinnedRow, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> PinnedTable:
+        """The table in ``text``; a bad line raises ValueError naming its number and content."""
+        rows = []
+        for number, raw in enumerate(text.splitlines(), start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            try:
+                rows.append(_row(line))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"Argument 'pinned' line {number} ({raw.strip()!r}): {exc}") from None
+        return cls(tuple(rows))
+
+    @classmethod
+    def load(cls, source: str | Path | PinnedTable | None) -> PinnedTable:
+        """A table from itself, a path to a file, the text itself (a string holding a comma or
+        a newline), or ``None`` (no rows)."""
+        if source is None:
+            return cls()
+        if isinstance(source, PinnedTable):
+            return source
+        if isinstance(source, Path) or (isinstance(source, str) and "," not in source and "\n" not in source):
+            path = Path(source)
+            if not path.is_file():
+                raise ValueError(f"Argument 'pinned' must be a table or a file holding one, not {str(source)!r}.")
+            return cls.parse(path.read_text())
+        if isinstance(source, str):
+            return cls.parse(source)
+        raise TypeError(f"Argument 'pinned' must be a PinnedTable, a path, the table's text or None, not {source!r}.")
+
+    def row_for(self, nbytes: int) -> PinnedRow | None:
+        """The first row whose range holds ``nbytes``, or None."""
+        return next((row for row in self.rows if row.holds(nbytes)), None)
+
+    def allowed(self, candidates: Sequence[Candidate], nbytes: int) -> tuple[list[int], bool]:
+        """``(indices, pinned)``: the candidates a bucket of ``nbytes`` may take, and whether a
+        row restricted them."""
+        row = self.row_for(nbytes)
+        if row is None:
+            return list(range(len(candidates))), False
+        return _matching(row, candidates), True
+
+    def check(self, candidates: Sequence[Candidate]) -> None:
+        """Raise ValueError for a row that matches none of ``candidates``."""
+        for row in self.rows:
+            _matching(row, candidates)
+
+
+def _matching(row: PinnedRow, candidates: Sequence[Candidate]) -> list[int]:
+    matching = [i for i, c in enumerate(candidates) if row.matches(c)]
+    if not matching:
+        names = ", ".join(c.label for c in candidates)
+        raise ValueError(
+            f"Argument 'pinned' row {str(row)!r} matches no candidate within the error budget (candidates: {names})."
+        )
+    return matching
+
+
+def _row(line: str) -> PinnedRow:
+    fields = [f.strip() for f in line.split(",")]
+    if len(fields) != 5:
+        raise ValueError(f"expected 5 fields (min_bytes, max_bytes, algorithm, wire, c), not {len(fields)}")
+    low, high, algorithm, wire, components = (None if f == "-" else f for f in fields)
+    minimum = 0 if low is None else parse_size(low, "pinned")
+    maximum = None if high is None else parse_size(high, "pinned")
+    if maximum is not None and maximum <= minimum:
+        raise ValueError(f"max_bytes {high} must exceed min_bytes {low}")
+    if algorithm is not None:
+        check_choice("algorithm", algorithm, ALGORITHMS)
+    if wire is not None:
+        check_choice("wire", wire, WIRES)
+    c = None
+    if components is not None:
+        if not components.isdigit() or int(components) < 1:
+            raise ValueError(f"c must be a positive integer or -, not {components!r}")
+        c = int(components)
+    return PinnedRow(minimum, maximum, algorithm, wire, c)

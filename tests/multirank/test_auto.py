@@ -1,0 +1,142 @@
+"""``method="auto"`` on Gloo ranks: ranks whose measured timings differ (injected, a different
+table per rank, each of which alone would choose another method) end with the same choice, their
+results within the chosen method's error; a candidate whose call fails falls back to exact."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo  # DDP imports it when first built: once here, not in every forked rank
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from multirank import check, run_ranks
+
+pytestmark = pytest.mark.multirank
+TIMEOUT = 120.0
+
+#: Seconds per value each rank "measures" per candidate. Alone, rank 0 would pick 16-bit CERAR,
+#: rank 1 exact, rank 2 the float16 ring; the slowest rank's figures (the elementwise maximum:
+#: 10, 9, 10, 5) make 16-bit CERAR the choice of all, and the float16 ring without CERAR.
+FACTORS = [
+    {"exact": 10.0, "fp16": 9.0, "cerar": 10.0, "cerar-fp16": 1.0},
+    {"exact": 1.0, "fp16": 8.0, "cerar": 8.0, "cerar-fp16": 5.0},
+    {"exact": 3.0, "fp16": 1.0, "cerar": 9.0, "cerar-fp16": 5.0},
+]
+
+
+def _inject_timings(rank: int) -> None:
+    """Replace this rank's measurements by ``FACTORS[rank]`` x the slot's values (failures stay inf)."""
+    from cerar.comm.auto_engine import AutoEngine
+
+    original = AutoEngine.measured
+
+    def measured(self: AutoEngine, step: int, slot: int, candidate: int, seconds: float) -> None:
+        numel = self.layout.get(slot, (1, 0))[0]
+        if math.isfinite(seconds):
+            seconds = FACTORS[rank][self.candidates[candidate].name] * numel * 1e-9
+        original(self, step, slot, candidate, seconds)
+
+    AutoEngine.measured = measured  # type: ignore[method-assign]  # this forked rank only
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+def _ddp_auto(rank: int, world_size: int, fail_cerar: bool) -> dict[str, Any]:
+    from cerar.comm import auto_ddp
+    from cerar.comm.ddp import AutoConfig, CerarState, cerar_hook
+
+    _inject_timings(rank)
+    if fail_cerar:  # every CERAR candidate fails to start, on every rank
+
+        def refuse(*args: Any) -> Any:
+            raise ValueError("injected failure")
+
+        auto_ddp.STARTS.update({"cerar": refuse, "cerar-fp16": refuse})
+    module = _model()
+    model = DDP(module, bucket_cap_mb=0.005)  # several buckets
+    config = AutoConfig(trials=2, verify_every=100)
+    state = CerarState(method="auto", max_error=0.1, auto=config)
+    model.register_comm_hook(state, cerar_hook)  # an AutoState goes to auto_hook
+    steps = config.calibration_steps(4) + 2
+    reasons = set()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+        # The exact average, from this rank's own gradient (autograd.grad runs no DDP hook).
+        local = torch.autograd.grad(nn.functional.mse_loss(module(x), y), list(module.parameters()))
+        exact = torch.cat([t.reshape(-1) for t in local])
+        dist.all_reduce(exact)
+        exact /= world_size
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        reasons |= {b.reason for b in state.last_step.buckets}
+    got = torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+    chosen = {b["method"] for b in state.plan}
+    errors = {c.label: c.predicted_error for c in state.candidates}
+    return {
+        "plan": [(b["slot"], b["method"], b["reason"]) for b in state.plan],
+        "error": float((got - exact).norm() / exact.norm()),
+        "bound": 3 * max(errors[m] for m in chosen),
+        "reasons": reasons,
+    }
+
+
+def test_ddp_ranks_with_differing_timings_choose_alike() -> None:
+    results = check(run_ranks(_ddp_auto, 3, False, timeout=TIMEOUT))
+    assert results[0]["plan"] == results[1]["plan"] == results[2]["plan"]
+    assert {method for _, method, _ in results[0]["plan"]} == {"cerar-fp16 c=6"}
+    assert {"warmup", "trial", "fastest"} <= results[0]["reasons"]
+    for r in results:  # 16-bit CERAR's error: above float32 rounding, within its prediction
+        assert 1e-5 < r["error"] < r["bound"], r
+
+
+def test_ddp_failed_candidate_falls_back_to_exact() -> None:
+    results = check(run_ranks(_ddp_auto, 3, True, timeout=TIMEOUT))
+    assert results[0]["plan"] == results[1]["plan"] == results[2]["plan"]
+    assert "fallback" in results[0]["reasons"]
+    # CERAR failed in its trials: ruled out; the slowest rank's best of the rest is the float16 ring.
+    assert {method for _, method, _ in results[0]["plan"]} == {"fp16"}
+    assert all(r["error"] < 2.0**-11 * math.sqrt(2) for r in results)  # the float16 ring's prediction
+
+
+def _collective_auto(rank: int, world_size: int, fail_fp16: bool) -> dict[str, Any]:
+    import cerar
+    from cerar.comm import auto_collective
+
+    _inject_timings(rank)
+    if fail_fp16:
+        start = auto_collective._start
+
+        def refusing(candidate: Any, *args: Any) -> Any:
+            if candidate.name == "fp16":
+                raise ValueError("injected failure")
+            return start(candidate, *args)
+
+        auto_collective._start = refusing
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    exact = x.clone()
+    dist.all_reduce(exact)
+    errors = []
+    for _ in range(10):  # 1 exact warm-up, 3 trials of each of exact and fp16, then the plan
+        y = x.clone()
+        cerar.all_reduce(y, method="auto", max_error=1e-3)
+        errors.append(float((y - exact).norm() / exact.norm()))
+    stream = auto_collective.auto_status()[0]
+    return {"choice": stream["choice"]["method"], "error": errors[-1], "trial_errors": max(errors[:7])}
+
+
+@pytest.mark.parametrize("fail_fp16", [False, True])
+def test_collective_ranks_choose_alike(fail_fp16: bool) -> None:
+    results = check(run_ranks(_collective_auto, 2, fail_fp16, timeout=TIMEOUT))
+    assert results[0]["choice"] == results[1]["choice"] == ("exact" if fail_fp16 else "fp16")
+    bound = 2.0**-11 * math.sqrt(1.5)  # the float16 ring's predicted error at N = 2
+    for r in results:
+        assert r["error"] < (1e-6 if fail_fp16 else bound) and r["trial_errors"] < bound

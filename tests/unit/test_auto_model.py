@@ -1,0 +1,225 @@
+"""``method="auto"`` in one process: the candidates and their errors, the cost model's fit, the
+decision (budget, margin, hysteresis, pins), and the engine's schedule driven by scripted
+timings, two engines agreeing through a fake side group (threads) on differing timings."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from cerar.comm.auto_candidates import Candidate, build_candidates, ring_error
+from cerar.comm.auto_engine import AutoConfig, AutoEngine
+from cerar.comm.auto_model import decide_slot, fit_cost_model
+from cerar.comm.auto_pins import PinnedTable
+
+N = 4
+EXACT = Candidate("exact", "fp32", "torch", N)
+FP16 = Candidate("fp16", "fp16", "torch", N)
+CERAR = Candidate("cerar", "fp32", "cerar", N, 8)
+CERAR16 = Candidate("cerar-fp16", "fp16", "cerar", N, 8)
+CANDIDATES = [EXACT, FP16, CERAR, CERAR16]
+#: The "true" costs the scripted timings follow: alpha per transport, beta, gamma per candidate.
+ALPHA, BETA = {"torch": 1e-4, "cerar": 5e-4}, 2e-8
+GAMMA = {"fp16": 1e-10, "cerar c=8": 2e-9, "cerar-fp16 c=8": 1e-9}
+
+
+def true_time(candidate: Candidate, values: float) -> float:
+    gamma = GAMMA.get(candidate.label, 0.0)
+    return candidate.rounds * ALPHA[candidate.transport] + candidate.bytes_per_value * values * BETA + values * gamma
+
+
+def test_candidates_by_budget() -> None:
+    assert ring_error(4, "fp16") == pytest.approx(2.0**-11 * math.sqrt(2.5))  # u sqrt((N+1)/2)
+    names = {budget: [c.name for c in build_candidates(4, budget)[0]] for budget in (1e-5, 1e-3, 2e-2)}
+    assert names == {1e-5: ["exact"], 1e-3: ["exact", "fp16", "cerar"], 2e-2: ["exact", "fp16", "cerar", "cerar-fp16"]}
+    admitted, refused = build_candidates(4, 1e-3)
+    assert [c.label for c in refused] == ["cerar-fp16 c=8"] and admitted[2].components == 8
+    assert all(c.predicted_error <= 1e-3 for c in admitted) and refused[0].predicted_error > 1e-3
+    assert [c.name for c in build_candidates(2, None)[0]] == ["exact", "fp16"]  # N = 2: CERAR is the ring
+    with pytest.raises(ValueError, match="Argument 'candidates'"):
+        build_candidates(4, 1e-3, ("exact", "nccl"))
+
+
+def test_fit_recovers_the_constants() -> None:
+    sizes = [2**16, 2**18, 2**20, 2**22]
+    observations = [(c, v, true_time(c, v)) for c in CANDIDATES for v in sizes]
+    model = fit_cost_model(observations)
+    assert model is not None and model.max_rel_residual < 1e-6
+    assert model.beta_s_per_byte == pytest.approx(BETA, rel=1e-4)
+    assert model.alpha_s["torch"] == pytest.approx(ALPHA["torch"], rel=1e-3)
+    assert model.alpha_s["cerar"] == pytest.approx(ALPHA["cerar"], rel=1e-3)
+    assert model.gamma_s_per_value["cerar c=8"] == pytest.approx(GAMMA["cerar c=8"], rel=1e-3)
+    assert model.predict(CERAR16, 2**24) == pytest.approx(true_time(CERAR16, 2**24), rel=1e-4)
+    assert model.predict(Candidate("bf16", "bf16", "torch", N), 2**20) == math.inf  # never measured
+    assert fit_cost_model([(EXACT, 100.0, math.inf)]) is None
+
+
+def test_decision_margin_hysteresis_budget() -> None:
+    def decide(times: list[float], **options: object) -> tuple[str, str]:
+        settings = {"margin": 0.03, "hysteresis": 0.05, "allowed": range(len(times)), **options}
+        choice = decide_slot(CANDIDATES, times, **settings)  # type: ignore[arg-type]
+        return CANDIDATES[choice.candidate].name, choice.reason
+
+    assert decide([1.0, 0.6, 0.5, 0.7]) == ("cerar", "fastest")  # 17% under the best ring
+    assert decide([1.0, 0.6, 0.59, 0.7]) == ("fp16", "margin")  # 1.7%: not by the margin
+    assert decide([1.0, 0.6, 0.59, 0.7], margin=0.0) == ("cerar", "fastest")
+    assert decide([1.0, 0.6, 0.5, 0.7], previous=1) == ("cerar", "fastest")  # 17% beats the hysteresis
+    assert decide([1.0, 0.52, 0.5, 0.7], previous=1, margin=0.0) == ("fp16", "hysteresis")
+    assert decide([1.0, 0.6, 0.5, 0.7], allowed=[0]) == ("exact", "budget")
+    assert decide([1.0, math.inf, math.inf, 0.9]) == ("cerar-fp16", "fastest")  # failed ones are out
+    assert decide([math.inf] * 4) == ("exact", "fastest")  # nothing known: exact
+
+
+def test_pinned_table() -> None:
+    table = PinnedTable.parse("# sizes, knobs\n0, 1M, ring, -, -\n16M, -, cerar, fp16, -  # big ones\n")
+    assert str(table.rows[1]) == "16M,-,cerar,fp16,-"
+    assert table.allowed(CANDIDATES, 4096) == ([0, 1], True)
+    assert table.allowed(CANDIDATES, 4 << 20) == ([0, 1, 2, 3], False)  # no row: decided freely
+    assert table.allowed(CANDIDATES, 64 << 20) == ([3], True)
+    with pytest.raises(ValueError, match=r"line 2 .*expected 5 fields"):
+        PinnedTable.parse("0,1M,ring,-,-\n1M,2M,cerar\n")
+    with pytest.raises(ValueError, match="algorithm"):
+        PinnedTable.parse("0,-,nccl,-,-")
+    with pytest.raises(ValueError, match="matches no candidate"):
+        PinnedTable.parse("0,-,cerar,bf16,-").check(CANDIDATES)
+    with pytest.raises(ValueError, match="Argument 'pinned' must be a table or a file"):
+        AutoConfig(pinned="no-such-file.txt")
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine, driven by scripted timings.
+
+SLOTS = {0: 2**16, 1: 2**22}  # a 256 KiB bucket and a 16 MiB one
+
+
+class Identity:
+    def max(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def min(self, values: list[int]) -> list[int]:
+        return list(values)
+
+
+Timing = Callable[[int, Candidate, int], float]  # (step, candidate, numel) -> seconds
+
+
+def drive(engine: AutoEngine, steps: range, timing: Timing, slots: dict[int, int] = SLOTS) -> float:
+    """Run ``steps``: each slot by its choice, the step's time the sum of its slots' times."""
+    now = 0.0
+    for step in steps:
+        engine.begin_step(step, now)
+        for slot, numel in slots.items():
+            choice = engine.choose(step, slot, numel, 4 * numel)
+            seconds = timing(step, engine.candidates[choice.candidate], numel)
+            engine.measured(step, slot, choice.candidate, seconds)
+            now += seconds
+    return now
+
+
+def plan_of(engine: AutoEngine) -> dict[int, tuple[str, str]]:
+    return {s: (engine.candidates[c.candidate].name, c.reason) for s, c in engine.plan.items()}
+
+
+CONFIG = AutoConfig(warmup=1, trials=3, verify_every=2, redecide_every=None)
+DECIDED = CONFIG.calibration_steps(len(CANDIDATES))  # 13: the first step by the plan
+
+
+def test_engine_schedule_and_decision() -> None:
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    drive(engine, range(DECIDED + 1), lambda step, c, v: true_time(c, v))
+    assert [engine.phase(s)[:2] for s in (0, 1, 4, 12, 13)] == [
+        ("warmup", 0), ("trial", 0), ("trial", 1), ("trial", 3), ("run", 0)
+    ]  # fmt: skip
+    # The small bucket is latency-bound (the float16 ring, torch's few rounds), the large one
+    # bandwidth-bound (16-bit CERAR, the fewest bytes).
+    assert plan_of(engine) == {0: ("fp16", "fastest"), 1: ("cerar-fp16", "fastest")}
+    assert engine.plan[1].predicted_s == pytest.approx(true_time(CERAR16, 2**22), rel=1e-3)
+    assert [e["event"] for e in engine.history] == ["calibrate", "decide"]
+
+
+def test_engine_verify_and_step_check() -> None:
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+
+    def slower_cerar(step: int, c: Candidate, v: int) -> float:  # CERAR 3x slower than in its trials
+        return true_time(c, v) * (3.0 if step >= DECIDED and c.components else 1.0)
+
+    drive(engine, range(DECIDED + 3), slower_cerar)
+    assert plan_of(engine)[1] == ("fp16", "verify")  # measured worse than predicted: the baseline
+
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    slots = {0: 2**16, 1: 2**22}
+    now = drive(engine, range(DECIDED + 2), lambda step, c, v: true_time(c, v), slots)
+    # Steps of the plan slower than the fastest single method's trials (its coding competing with
+    # the model's compute, say): the whole plan becomes that method at the check.
+    engine.begin_step(DECIDED + 2, now + 10.0)
+    assert plan_of(engine) == {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "fastest")}
+
+
+def test_engine_size_change_and_hysteresis() -> None:
+    config = AutoConfig(warmup=1, trials=3, verify_every=50, redecide_every=2, hysteresis=0.5)
+    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+    drive(engine, range(DECIDED + 1), lambda step, c, v: true_time(c, v))
+    assert engine.choose(DECIDED, 1, 2**20, 2**22).reason == "size"  # a rebuilt bucket: exact for now
+    engine.begin_step(DECIDED + 1)
+    assert engine.history[-1] == {"step": DECIDED + 1, "event": "calibrate", "reason": "size"}
+    # Re-calibrated with 16-bit CERAR 20% slower: the ring now wins the large bucket by 4%, not
+    # by the 50% the hysteresis asks.
+    slower = {"cerar-fp16": 1.2}
+    drive(engine, range(DECIDED + 1, 2 * DECIDED + 2), lambda step, c, v: true_time(c, v) * slower.get(c.name, 1.0))
+    assert plan_of(engine) == {0: ("fp16", "fastest"), 1: ("cerar-fp16", "hysteresis")}
+
+
+class PairedGroup:
+    """Two engines' side group, one thread each: elementwise max/min over both."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2)
+        self.slots: list[list[float]] = [[], []]
+
+    def member(self, rank: int) -> Identity:
+        group = self
+
+        class Member(Identity):
+            def max(self, values: list[float]) -> list[float]:
+                return group.exchange(rank, values, max)
+
+            def min(self, values: list[int]) -> list[int]:
+                return [int(v) for v in group.exchange(rank, values, min)]
+
+        return Member()
+
+    def exchange(self, rank: int, values: list, pick: Callable) -> list:
+        self.slots[rank] = list(values)
+        self.barrier.wait()
+        out = [pick(a, b) for a, b in zip(*self.slots, strict=True)]
+        self.barrier.wait()
+        return out
+
+
+def test_engines_that_measured_differently_agree() -> None:
+    # Rank 0 sees the 16-bit ring slow, rank 1 sees 16-bit CERAR slow: alone they would differ.
+    skew = [{"fp16": 4.0}, {"cerar-fp16": 4.0}]
+    alone = []
+    for rank in (0, 1):
+        engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+        drive(engine, range(DECIDED + 1), lambda s, c, v, r=rank: true_time(c, v) * skew[r].get(c.name, 1.0))
+        alone.append(plan_of(engine))
+    assert alone[0] != alone[1]
+    group, plans = PairedGroup(), [None, None]
+
+    def rank_main(rank: int) -> None:
+        engine = AutoEngine(CANDIDATES, CONFIG, group.member(rank))  # type: ignore[arg-type]
+        drive(engine, range(DECIDED + 1), lambda s, c, v: true_time(c, v) * skew[rank].get(c.name, 1.0))
+        plans[rank] = plan_of(engine)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert plans[0] == plans[1] is not None
+    # The agreed numbers are the slowest rank's: both the 16-bit ring and 16-bit CERAR slowed.
+    assert plans[0] == {0: ("exact", "fastest"), 1: ("cerar", "fastest")}
