@@ -3,7 +3,8 @@ hand-fused torch ops and ``torch.compile`` (inductor) kernels: time, bytes, rati
 limit, numerical equality, compile time.
 
     python benchmarks/fused_kernels.py
-    python benchmarks/fused_kernels.py --sizes 16,64 --repeats 7 --no-compile
+    python benchmarks/fused_kernels.py --sizes 16,64 --repeats 21 --no-compile
+    python benchmarks/fused_kernels.py --ops send --repeats 41 --no-compile
 
 One process, one thread (``torch.set_num_threads(1)``, as each rank of ``cerar bench``), N = 4,
 c = 8, data of ``--sizes`` MB of float32 per rank, so a packet holds ``m = d / 8`` values, cut
@@ -322,9 +323,11 @@ def study_decode(size: float, m: int, packet: torch.dtype, kernels: dict, timer_
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,16,64", help="data per rank in MB (float32)")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--ops", default="send,decode", help="which ops: send (1.), decode (2. and 3.)")
     parser.add_argument("--no-compile", action="store_true", help="eager variants only")
     args = parser.parse_args(argv)
+    ops = set(args.ops.split(","))
     torch.set_num_threads(1)
     kernels, compile_s = compile_all(not args.no_compile)
     flush = torch.ones(64 << 20 >> 2)
@@ -336,9 +339,11 @@ def main(argv: list[str] | None = None) -> None:
     for size in [float(s) for s in args.sizes.split(",")]:
         m = int(size * (1 << 20)) // 4 // C
         for packet in (torch.float16, torch.float32):
-            study_send(size, m, packet, kernels, (flush, rate), args.repeats)
+            if "send" in ops:
+                study_send(size, m, packet, kernels, (flush, rate), args.repeats)
         for packet in (torch.float16, torch.float32):
-            study_decode(size, m, packet, kernels, (flush, rate), args.repeats)
+            if "decode" in ops:
+                study_decode(size, m, packet, kernels, (flush, rate), args.repeats)
     if kernels:
         print(f"compiled graphs: {compiled_graphs()}")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
