@@ -37,6 +37,7 @@ from cerar.coding.code import Code
 from cerar.coding.precision import precision_name
 from cerar.coding.scaling import ScaleWindow, scale_window
 from cerar.comm.handshake import MaximaChain
+from cerar.comm.kernels import add_rounded, own_part_target, write_transposed
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Ring, run_rounds, segments
 from cerar.protocol.schedule import Schedule
@@ -285,7 +286,6 @@ class CerarRun:
         self.send = WORKSPACE.get("send", (2, f + m), packet, device)
         self.recv = WORKSPACE.get("recv", (2, f + m), packet, device)  # rounds before the first observation
         self.widen = packet != dtype  # 16-bit packets: add in flat's dtype, round once
-        self.encoded = WORKSPACE.get("encoded", (m,), dtype, device) if self.widen else None
         self.own = WORKSPACE.get("own_part", (c, widest), dtype, device)
         deepest = max(stop - start for start, stop in groups)
         self.arrived = WORKSPACE.get("arrived", (deepest, widest), self.acc_dtype, device)
@@ -359,10 +359,8 @@ class CerarRun:
         out = row[f + a : f + b]
         if t == 1:
             out.copy_(increment)
-        elif self.widen:
-            into = self.encoded[a:b]
-            torch.add(increment, self._arrived(t - 1)[f + a : f + b], out=into)
-            out.copy_(into)  # rounded once to the packet dtype
+        elif self.widen:  # computed in flat's dtype, rounded once to the packet dtype
+            add_rounded(increment, self._arrived(t - 1)[f + a : f + b], out)
         else:
             torch.add(self._arrived(t - 1)[f + a : f + b], increment, out=out)
         if a == 0 and t in self.carrying:
@@ -415,13 +413,16 @@ class CerarRun:
         acc = self.totals[a]
         arrived = self.arrived[: stop - start, : b - a]
         arrived.copy_(self.observations[start:stop, self.front + a : self.front + b])
-        begin = own_part(self.decode_own, self.columns[a], self.own[:, : b - a]) if start == 0 else None
+        if start == 0:  # straight into the accumulator where the dtypes agree (16-bit packets)
+            begin = own_part(self.decode_own, self.columns[a], own_part_target(acc, self.own[:, : b - a]))
+        else:
+            begin = None
         fold_slots(acc, arrived, self.group_weights[start], begin, self.rows_scale)
         if t == self.rounds and self.decide():
             out = self.columns[a]
             if self.data_exponent and b <= self.full_rows:  # the scaled copy's pieces are not flat's
                 out = self.flat[a * c : b * c].view(b - a, c)
-            out.copy_(acc.t())
+            write_transposed(acc, out)
             scale_by_power_of_two(out, self.data_exponent)  # exact, in the data's dtype
             if b > self.full_rows:  # the copied last piece: its values back into flat
                 self.flat[a * c :].copy_(out.view(-1)[: d - a * c])
