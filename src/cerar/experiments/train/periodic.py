@@ -32,7 +32,8 @@ ring, an fp16 overflow), every rank returns to ``anchor`` and the outer state is
 replicas stay together and one bad round costs its ``H`` local steps. Then
 :func:`cerar.comm.ddp.replica_divergence` is measured (a collective; CERAR's ranks decode
 slightly different averages) and logged per sync (``hook.extra["syncs"]``); with
-``divergence_tol``, a divergence above it re-syncs rank 0's parameters and outer state.
+``divergence_tol``, a divergence above it re-syncs rank 0's parameters and outer state. The
+measurement (an all-gather of a 1025-value sketch) is in the step's time, not in ``sync_s``.
 """
 
 from __future__ import annotations
