@@ -327,3 +327,51 @@ def test_train_on_nodes_with_the_hierarchical_and_16_bit_methods(tmp_path: Path)
     assert runs["cerar-c8-fp16-s0"]["final_val_loss"] == pytest.approx(base, abs=0.05)
     # float16 packets: 2 (1 + (N-2)/c) = 2.5 bytes per value against the fp32 ring's 6.
     assert runs["cerar-c8-fp16-s0"]["bytes_per_step"] < 0.5 * runs["allreduce-s0"]["bytes_per_step"]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_cerar_train_compares_the_schedules_at_their_best_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two settings of diloco beside allreduce through the command: the same tokens, the family
+    table with the tuning budget, the per-sync divergence in the JSON, every run in the plot."""
+    import cerar.experiments.train.plots as plots
+    from cerar.cli import main
+
+    plotted: list[str] = []
+    plot_loss = plots.plot_loss
+
+    def recording_plot_loss(runs: list[dict], path: Path, **kwargs: object) -> Path:
+        plotted.extend(run["label"] for run in runs)
+        return plot_loss(runs, path, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plots, "plot_loss", recording_plot_loss)
+    out = tmp_path / "schedules"
+    argv = [
+        "train", "-N", "2", "--regime", "fast", "--methods", "allreduce", "diloco:2", "diloco:4:lr0.5",
+        "--noise-seeds", "1", "--steps", "8", "--eval-every", "2", "--batch-size", "2", "--layers", "1",
+        "--hidden", "32", "--heads", "2", "--seq-len", "32", "--warmup-steps", "2", "--eval-sequences", "8",
+        "--timeout-s", "120", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    labels = ["allreduce-s0", "diloco-h2-s0", "diloco-h4-lr0.5-s0"]
+    assert plotted == labels and (out / "loss.png").stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {r["label"]: r for r in summary["runs"]}
+    assert list(runs) == labels
+    assert {r["tokens"] for r in runs.values()} == {8 * 2 * 2 * 32}  # steps x N x batch x seq_len
+    assert runs["allreduce-s0"]["syncs_per_step"] == 1.0
+    assert runs["diloco-h2-s0"]["syncs_per_step"] == 0.5 and runs["diloco-h4-lr0.5-s0"]["syncs_per_step"] == 0.25
+    assert runs["diloco-h2-s0"]["bytes_per_token"] < runs["allreduce-s0"]["bytes_per_token"]
+    assert runs["diloco-h2-s0"]["post_sync_divergence"] == 0.0 and runs["diloco-h2-s0"]["averages"] == 4
+    record = json.loads((out / "runs" / "diloco-h2-s0.json").read_text())
+    assert [s["step"] for s in record["ranks"][0]["method_info"]["syncs"]] == [2, 4, 6, 8]
+    families = {row["family"]: row for row in summary["families"]}
+    assert set(families) == {"allreduce", "diloco"} and families["diloco"]["tried"] == 2
+    best = families["diloco"]["best"]
+    assert best in ("diloco-h2", "diloco-h4-lr0.5") and families["diloco"]["best_labels"] == [f"{best}-s0"]
+    assert "each method family at its best tried setting" in printed
+    assert "settings tried (each a full run): diloco: diloco-h2, diloco-h4-lr0.5" in printed
+    assert "tokens: 128 per optimizer step, 1,024 per run, the same for every run" in printed

@@ -8,7 +8,9 @@ For each method (and, for ``allreduce``, each noise seed) it launches ``N`` loca
 * ``summary.json``: the per-run summaries, comparisons, link rate and settings;
 * ``loss.png`` (validation loss vs step and vs training time) and ``breakdown.png``;
 
-and prints the summary table. ``--bucket-cap-mb 1,4,16`` sweeps DDP's bucket size: every run
+and prints the summary table and each method family at its best tried setting
+(:mod:`cerar.experiments.train.tuning`: ``diloco:10 diloco:25`` are two settings of ``diloco``).
+``--bucket-cap-mb 1,4,16`` sweeps DDP's bucket size: every run
 at every size (labels ``cerar-c8-b4-s0``), reported as the full grid and, beside it, each
 method at its best size against the tuned allreduce (:mod:`cerar.experiments.train.sweep`).
 The same worker runs under ``torchrun`` directly (see :mod:`cerar.experiments.train.worker`).
@@ -27,6 +29,7 @@ from typing import Any
 
 from cerar.experiments.train.config import TrainConfig, add_config_arguments, config_from_args
 from cerar.experiments.train.methods import HOOKS
+from cerar.experiments.train.schedules import USAGE
 
 DEFAULT_METHODS = ("allreduce", "cerar:2N", "cerar:3N", "fp16", "powersgd")
 
@@ -41,7 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--methods",
         nargs="+",
         default=list(DEFAULT_METHODS),
-        help=f"methods: {', '.join(h.usage for h in HOOKS.values())} (default: %(default)s)",
+        help=f"methods: {', '.join(h.usage for h in HOOKS.values())}; schedules around one (<method>, default "
+        f"allreduce): {', '.join(USAGE.values())}; list several settings (diloco:10 diloco:25) to tune "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--world-size", "-N", type=int, default=4, help="ranks (default 4; set by --nodes x --ranks-per-node)"
@@ -167,6 +172,7 @@ def _summarize(
     """The summary JSON and the per-run summaries: the target loss is the (tuned) allreduce's
     unless given, the noise spread over the tuned allreduce's seeds; a sweep adds ``sweep``."""
     from cerar.experiments.train import report
+    from cerar.experiments.train.tuning import family_rows
 
     link_rate = sum(link_rates) / len(link_rates) if link_rates else None
     untimed = [report.summarize_run(r, None) for r in runs]
@@ -191,6 +197,7 @@ def _summarize(
         "total_wall_s": wall_s,
         "runs": [s.as_dict() for s in summaries],
         "comparisons": comparisons,
+        "families": family_rows(summaries),
         "configs": [c.to_dict() for c in configs],
     }
     if len(caps) > 1:
@@ -213,6 +220,9 @@ def _print_tables(summary: dict[str, Any], summaries: list[Any]) -> None:
             target_rule=summary["target_rule"],
         )
     )
+    from cerar.experiments.train.tuning import format_families
+
+    print("\n" + format_families(summary["families"], summary["target_val_loss"]))
     if "sweep" in summary:
         from cerar.experiments.train.sweep import format_sweep
 

@@ -18,6 +18,17 @@ from cerar._checks import check_choice, check_float, check_int
 from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.experiments._flags import add_flags, flag, flag_group, from_flags
 from cerar.experiments.train.methods import HOOKS
+from cerar.experiments.train.schedules import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    SCHEDULES,
+    check_schedule,
+    inner_spec,
+    parse_schedule,
+    schedule_family,
+    schedule_name,
+    schedule_setting,
+)
 
 __all__ = [
     "ModelConfig",
@@ -110,6 +121,11 @@ class TrainConfig:
         max_error: ``auto``: the error budget (``None``: the library's, 0.1), from ``auto:1e-3``.
         packet: ``cerar``: 16-bit packets, ``"fp16"`` or ``"bf16"`` (``None``: float32), from
             the spec ``cerar:8:fp16``; the code is then tuned for that precision.
+        schedule, period: a communication-avoiding schedule around ``method``
+            (:mod:`cerar.experiments.train.schedules`: ``"accum"`` with ``K = period``,
+            ``"localsgd"`` or ``"diloco"`` with ``H = period``), from the spec ``diloco:10:cerar:8``;
+            ``None``: the method's DDP hook alone.
+        outer_lr, outer_momentum: ``diloco``'s outer SGD (Nesterov).
         seed: initial weights and data order.
         nonfinite, resync_every, divergence_tol: ``cerar``/``ring``: see
             :class:`cerar.comm.ddp.CerarState`.
@@ -123,6 +139,14 @@ class TrainConfig:
     components: int | None = None
     packet: str | None = None
     powersgd_rank: int = field(default=4, metadata=flag("powersgd: the matrix approximation rank"))
+    schedule: str | None = None
+    period: int | None = None
+    outer_lr: float = field(
+        default=DEFAULT_OUTER_LR, metadata=flag("diloco: the outer SGD's learning rate (a spec's lrX wins)")
+    )
+    outer_momentum: float = field(
+        default=DEFAULT_OUTER_MOMENTUM, metadata=flag("diloco: the outer SGD's Nesterov momentum")
+    )
     steps: int = field(default=200, metadata=flag("optimizer steps"))
     batch_size: int = field(default=8, metadata=flag("sequences per rank per step (global batch N x this)"))
     model: ModelConfig = field(default_factory=ModelConfig, metadata=flag_group("model (GPT-NeoX, Pythia-like)"))
@@ -190,10 +214,11 @@ class TrainConfig:
             check_float("max_error", self.max_error, positive=True)
             if self.method != "auto":
                 raise ValueError(f"Argument 'max_error' applies to method 'auto' only, not {self.method!r}.")
+        check_schedule(self)
 
     @property
-    def name(self) -> str:
-        """The method with its parameter: ``allreduce``, ``cerar-c8``, ``powersgd-r4``."""
+    def method_name(self) -> str:
+        """The DDP method with its parameter: ``allreduce``, ``cerar-c8``, ``powersgd-r4``."""
         if self.method in ("cerar", "hier-cerar") and self.components is not None:
             return f"{self.method}-c{self.components}" + (f"-{self.packet}" if self.packet else "")
         if self.method == "powersgd":
@@ -201,6 +226,24 @@ class TrainConfig:
         if self.method == "auto" and self.max_error is not None:
             return f"auto-{self.max_error:g}"
         return self.method
+
+    @property
+    def name(self) -> str:
+        """The method with its parameter, and its schedule if any: ``allreduce``, ``cerar-c8``,
+        ``powersgd-r4``, ``diloco-h10-cerar-c8-fp16``."""
+        if self.schedule is not None:
+            return schedule_name(self, self.method_name)
+        return self.method_name
+
+    @property
+    def family(self) -> str:
+        """:attr:`name` without the schedule's tuned settings (``diloco-cerar-c8-fp16``)."""
+        return schedule_family(self, self.method_name)
+
+    @property
+    def setting(self) -> str:
+        """The schedule's tuned settings as text (``H=10, outer lr 0.7, momentum 0.9``; ``-``)."""
+        return schedule_setting(self)
 
     @property
     def label(self) -> str:
@@ -252,12 +295,16 @@ def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
     """``"cerar"``, ``"cerar:12"``, ``"cerar:3N"``, ``"cerar:8:fp16"``, ``"cerar:2N:bf16"``,
     ``"powersgd:2"``, ``"auto:1e-3"``, ``"fp16"``... into ``(method, overrides)`` with ``overrides`` the
     TrainConfig fields it sets (the hook's
-    :attr:`~cerar.experiments.train.methods.Hook.parameter`, and ``packet``)."""
+    :attr:`~cerar.experiments.train.methods.Hook.parameter`, and ``packet``). A schedule's spec
+    (``"accum:4"``, ``"diloco:10:cerar:8:fp16"``) gives the method underneath, its overrides
+    adding ``schedule`` and ``period`` (:func:`cerar.experiments.train.schedules.parse_schedule`)."""
     world_size = check_int("world_size", world_size, minimum=1)
     if not isinstance(spec, str):
         raise TypeError(f"Argument 'method' must be a string, not {spec!r}.")
     name, _, param = spec.partition(":")
-    hook = HOOKS[check_choice("method", name, HOOKS)]
+    if check_choice("method", name, (*HOOKS, *SCHEDULES)) in SCHEDULES:
+        return parse_schedule(spec, world_size, parse_method)
+    hook = HOOKS[name]
     param, _, packet = param.partition(":")
     if packet:
         if name != "cerar" or packet not in PACKETS:
@@ -305,6 +352,7 @@ def config_from_args(
     """The :class:`TrainConfig` for one method spec (see :func:`parse_method`) and seed: the
     spec's parameter wins over ``--powersgd-rank``. ``nodes``: the ``M`` of a hierarchical
     method's ``kN`` (its code is for the nodes)."""
-    hierarchical = HOOKS[method.partition(":")[0]].hierarchical if method.partition(":")[0] in HOOKS else False
+    base = inner_spec(method).partition(":")[0]  # a schedule's: the method underneath
+    hierarchical = HOOKS[base].hierarchical if base in HOOKS else False
     name, overrides = parse_method(method, nodes if hierarchical and nodes else world_size)
     return from_flags(args, TrainConfig, method=name, seed=seed, **overrides)

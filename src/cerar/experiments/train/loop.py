@@ -5,6 +5,10 @@ exposed communication from the :class:`~cerar.experiments.train.timeline.Timelin
 ``backward()``; optimizer, re-sync included), the bytes this rank sent and the hook's
 encode/decode time. Every ``eval_every`` steps (and after the last) it measures the validation
 loss and :func:`cerar.comm.ddp.replica_divergence`; evaluation time is kept out of training time.
+
+With ``accum:K`` a step runs ``K`` micro-batches, the first ``K - 1`` (forward and backward, under
+``model.no_sync()``) counted in "forward"; ``localsgd``/``diloco`` average after the optimizer
+step (:mod:`cerar.experiments.train.periodic`), their blocking averages recorded as ``sync_s``.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from cerar.experiments.train.config import TrainConfig
 from cerar.experiments.train.data import Split, load_split, train_batch, validation_batch
 from cerar.experiments.train.methods import InstalledHook, install
 from cerar.experiments.train.model import build_model, lm_loss, parameter_groups
+from cerar.experiments.train.periodic import install_schedule
 from cerar.experiments.train.timeline import Timeline
 
 __all__ = ["lr_factor", "train"]
 
 Progress = Callable[[int, int, float], None]
 #: The hook's counters recorded per step (as differences of the cumulative ones).
-STEP_COUNTERS = ("bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s")
+STEP_COUNTERS = ("bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s", "syncs", "sync_s")
 
 # The model's only buffers are rotary constants, equal on every rank: no per-forward broadcast.
 # torch 2.13 renamed the option (``broadcast_buffers`` is deprecated there).
@@ -62,11 +67,12 @@ def train(config: TrainConfig, progress: Progress | None = None, split: Split | 
     module = build_model(config.model, config.seed)
     model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb, **NO_BUFFER_SYNC)
     timeline = Timeline(module)
-    hook = install(config, model, timeline)
+    hook = install(config, model, timeline) if config.schedule is None else install_schedule(config, model, timeline)
     optimizer = torch.optim.AdamW(
         parameter_groups(module, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
+    optimizer = hook.wrap_optimizer(module, optimizer)  # localsgd: torch's PostLocalSGDOptimizer
     val_tokens = validation_batch(split, config.eval_sequences, config.model.seq_len)[rank::world_size]
 
     steps: list[dict[str, float]] = []
@@ -116,7 +122,12 @@ def _step(
     re-sync included)."""
     timeline.begin()
     start = time.perf_counter()
-    loss = lm_loss(model, tokens)
+    earlier = 0.0
+    if hook.micro_batches > 1:
+        earlier, tokens = _accumulate(model, tokens, hook.micro_batches)
+        loss = lm_loss(model, tokens) / hook.micro_batches
+    else:
+        loss = lm_loss(model, tokens)
     forward_end = time.perf_counter()
     loss.backward()  # the hook communicates bucket by bucket while backward still computes
     backward_end = time.perf_counter()
@@ -131,7 +142,7 @@ def _step(
     resynced = hook.after_step(model.module)
     end = time.perf_counter()
     return {
-        "loss": float(loss.detach()),
+        "loss": float(loss.detach()) + earlier,
         "step_s": end - start,
         "forward_s": forward_end - start,
         "backward_compute_s": max(0.0, compute_end - forward_end),
@@ -143,6 +154,20 @@ def _step(
         "resynced": float(resynced),
         "lr": scheduler.get_last_lr()[0],
     }
+
+
+def _accumulate(model: DistributedDataParallel, tokens: torch.Tensor, micro_batches: int) -> tuple[float, torch.Tensor]:
+    """``accum:K``: forward and backward of the first ``K - 1`` micro-batches (equal slices of
+    ``tokens``) without gradient sync, each loss divided by ``K`` so that the summed gradient is
+    the batch's; return their losses' sum and the last micro-batch."""
+    parts = tokens.chunk(micro_batches)
+    earlier = 0.0
+    with model.no_sync():
+        for part in parts[:-1]:
+            loss = lm_loss(model, part) / micro_batches
+            loss.backward()
+            earlier += float(loss.detach())
+    return earlier, parts[-1]
 
 
 def _exact_divergence(module: torch.nn.Module, top: int = 4) -> dict[str, Any]:

@@ -21,6 +21,37 @@ method         hook                                                        bytes
                (``auto:1e-3``: ``max_error``), decided from measured steps
 =============  ==========================================================  ==================
 
+Communication-avoiding schedules wrap one of those (:mod:`cerar.experiments.train.periodic`,
+the averaging itself in :mod:`cerar.experiments.train.averaging`); ``<m>`` is the method
+underneath, ``allreduce`` when left out:
+
+=====================  ==================================================  ==================
+schedule               what runs                                           bytes
+=====================  ==================================================  ==================
+``accum:K[:<m>]``      ``K`` micro-batches of ``batch_size / K``           as ``<m>``
+                       sequences, ``model.no_sync()`` for the first
+                       ``K - 1``, ``<m>``'s hook on the last: the same
+                       tokens per optimizer step as every other method
+                       (``batch_size`` must divide by ``K``)
+``localsgd:H[:<m>]``   torch's ``post_localSGD_hook`` (DDP's all-reduce    computed (warm-up,
+                       each step for ``warmup_steps``, then no gradient    ring formula) +
+                       sync) and, after every optimizer step, parameter    ``<m>``'s for the
+                       averaging every ``H`` steps from ``warmup_steps``   averages
+                       on: exact: torch's ``PostLocalSGDOptimizer`` +
+                       ``PeriodicModelAverager``; through another
+                       ``<m>``: cerar's own averager with the same
+                       schedule, averaging the change since the last
+                       average (see ``periodic``)
+``diloco:H[:<m>]``     no gradient sync (torch's ``noop_hook``); inner     ``<m>``'s for the
+                       AdamW for ``H`` steps, then the pseudo-gradient     averages
+                       ``theta_start - theta`` averaged through ``<m>``,
+                       outer SGD with Nesterov momentum
+                       (``--outer-lr``, ``--outer-momentum``)
+=====================  ==================================================  ==================
+
+``localsgd`` and ``diloco`` average through ``allreduce``, ``fp16``, ``bf16``, ``ring`` or
+``cerar[:c][:fp16|:bf16]``, once over the whole model (``accum`` takes any method above).
+
 "Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.stats.CommStats`);
 buckets that ``ring``/``cerar``'s bucket policy (``min_bucket_mb``) sends to Gloo's all-reduce
 add their computed bytes.
@@ -48,13 +79,16 @@ if TYPE_CHECKING:
 
     from cerar.experiments.train.timeline import Timeline
 
-__all__ = ["COUNTERS", "HOOKS", "POWERSGD_START", "Hook", "HookSettings", "InstalledHook", "install"]
+__all__ = [
+    "COUNTERS", "HOOKS", "POWERSGD_START", "Hook", "HookSettings", "InstalledHook", "cerar_code", "install",
+    "ring_bytes",
+]  # fmt: skip
 
 POWERSGD_START = 10  # PowerSGD's exact warm-up steps (torch's default, 1000, is for long runs)
 #: What :meth:`InstalledHook.counters` returns, in order.
 COUNTERS = (
     "bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s", "fallbacks", "nonfinite_events",
-    "resyncs", "resync_s", "exact_buckets", "rescales",
+    "resyncs", "resync_s", "exact_buckets", "rescales", "syncs", "sync_s",
 )  # fmt: skip
 
 
@@ -76,7 +110,11 @@ class HookSettings(Protocol):
 
 @dataclass
 class InstalledHook:
-    """A hook installed on one DDP model: cumulative counters and the per-step duty."""
+    """A hook installed on one DDP model: cumulative counters and the per-step duty.
+
+    ``syncs`` counts the steps whose gradients were averaged (every step, for a DDP hook);
+    ``micro_batches`` is how many backward passes a step takes (``accum:K``: ``K``).
+    """
 
     name: str
     measured_bytes: bool
@@ -85,6 +123,8 @@ class InstalledHook:
     bytes_computed: int = 0
     collectives: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    syncs: int = 0
+    micro_batches: int = 1
 
     def counters(self) -> dict[str, float]:
         """Cumulative figures of this rank: bytes sent, collectives, encode/decode seconds,
@@ -106,16 +146,25 @@ class InstalledHook:
                 "resync_s": self.state.resync_s,
                 "exact_buckets": float(self.state.exact_buckets),
                 "rescales": float(stats.rescales),
+                "syncs": float(self.syncs),
+                "sync_s": 0.0,  # a hook's communication is inside backward (the timeline's)
             }
         # Gloo's own collectives: only the computed bytes and the count are known.
         figures = dict.fromkeys(COUNTERS, 0.0)
-        figures.update(bytes_sent=float(self.bytes_computed), collectives=float(self.collectives))
+        figures.update(
+            bytes_sent=float(self.bytes_computed), collectives=float(self.collectives), syncs=float(self.syncs)
+        )
         return figures
+
+    def wrap_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the loop steps (a schedule may wrap the AdamW; a DDP hook leaves it)."""
+        return optimizer
 
     def after_step(self, model: nn.Module) -> bool:
         """Run after every optimizer step on every rank: CERAR's scheduled or threshold re-sync."""
         from cerar.comm.ddp import CerarState
 
+        self.syncs += 1
         if isinstance(self.state, CerarState):
             return self.state.maybe_resync(model)
         return False
@@ -151,7 +200,9 @@ class Hook:
 
 
 def install(config: HookSettings, model: DistributedDataParallel, timeline: Timeline) -> InstalledHook:
-    """Register ``config.method``'s hook (wrapped by :func:`timed_hook`) on ``model``."""
+    """Register ``config.method``'s hook (wrapped by :func:`timed_hook`) on ``model`` (a schedule's
+    config goes to :func:`cerar.experiments.train.periodic.install_schedule`, which calls this for
+    ``accum``)."""
     import torch.distributed as dist
 
     from cerar.experiments.train.timeline import TimedState, timed_hook
@@ -161,9 +212,19 @@ def install(config: HookSettings, model: DistributedDataParallel, timeline: Time
     return installed
 
 
-def _ring_bytes(world_size: int, elements: int, element_size: int) -> int:
+def ring_bytes(world_size: int, elements: int, element_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``elements`` values: ``2(N-1)/N`` of them."""
     return round(2 * (world_size - 1) / world_size * elements * element_size)
+
+
+def cerar_code(world_size: int, components: int, precision: str) -> Any:
+    """``cerar``'s code: ``perturbed(N, c)`` for float32 packets, ``optimized(N, c)`` designed
+    for the precision of 16-bit ones (``precision``: ``"fp32"``, ``"fp16"`` or ``"bf16"``)."""
+    from cerar.coding import codes
+
+    if precision == "fp32":
+        return codes.perturbed(world_size, components)
+    return codes.optimized(world_size, components, precision)
 
 
 def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
@@ -171,17 +232,12 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     precision of 16-bit ones) or ``ring`` (the exact ring on the same transport)."""
     import torch
 
-    from cerar.coding import codes
     from cerar.comm.ddp import CerarState, cerar_hook, ring_hook
 
     coded = config.method == "cerar"
     components = config.components if config.components is not None else 2 * world_size
     precision = config.packet or "fp32"
-    code = None
-    if coded:
-        code = codes.perturbed(world_size, components) if precision == "fp32" else codes.optimized(
-            world_size, components, precision
-        )
+    code = cerar_code(world_size, components, precision) if coded else None
     state = CerarState(
         code=code,
         nonfinite=config.nonfinite,
@@ -207,7 +263,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     def count(bucket: dist.GradBucket) -> None:
         buffer = bucket.buffer()
         if buffer.layout == torch.strided and state.exact_path(buffer):  # asked before the hook runs
-            installed.bytes_computed += _ring_bytes(world_size, buffer.numel(), buffer.element_size())
+            installed.bytes_computed += ring_bytes(world_size, buffer.numel(), buffer.element_size())
             installed.collectives += 1  # Gloo's all-reduce
         else:
             installed.collectives += 1  # the ring (its handshake rides on the same point-to-point links)
@@ -305,7 +361,7 @@ def _build_powersgd(config: HookSettings, world_size: int) -> tuple[InstalledHoo
     def count_powersgd(bucket: dist.GradBucket) -> None:
         buffer = bucket.buffer()
         if state.iter < state.start_powerSGD_iter:
-            installed.bytes_computed += _ring_bytes(world_size, buffer.numel(), buffer.element_size())
+            installed.bytes_computed += ring_bytes(world_size, buffer.numel(), buffer.element_size())
             installed.collectives += 1
             return
         elements = 0
@@ -315,7 +371,7 @@ def _build_powersgd(config: HookSettings, world_size: int) -> tuple[InstalledHoo
             rank = min(n, m, state.matrix_approximation_rank)
             compressed = (n + m) * rank
             elements += compressed if compressed * state.min_compression_rate < n * m else n * m
-        installed.bytes_computed += _ring_bytes(world_size, elements, buffer.element_size())
+        installed.bytes_computed += ring_bytes(world_size, elements, buffer.element_size())
         installed.collectives += 3  # uncompressed tensors, then P, then Q
 
     # Bytes are counted on the serial thread, right before each bucket's hook, where
@@ -333,7 +389,7 @@ def _builtin(hook_name: str, wire_size: int, description: str) -> Build:
         installed = InstalledHook(config.method, False, description)
 
         def count(bucket: dist.GradBucket) -> None:
-            installed.bytes_computed += _ring_bytes(world_size, bucket.buffer().numel(), wire_size)
+            installed.bytes_computed += ring_bytes(world_size, bucket.buffer().numel(), wire_size)
             installed.collectives += 1
 
         return installed, getattr(default_hooks, hook_name), None, count

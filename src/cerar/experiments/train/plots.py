@@ -14,7 +14,8 @@ __all__ = ["plot_breakdown", "plot_loss"]
 
 
 def plot_loss(runs: Sequence[dict[str, Any]], path: Path, *, target: float | None = None) -> Path:
-    """Validation loss vs step (left) and vs training wall-clock, evaluation excluded (right)."""
+    """Validation loss vs step (left) and vs training wall-clock, evaluation excluded (right), of
+    every run: allreduce dashed, the communication-avoiding schedules dash-dotted."""
     plt = pyplot("train")
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for run in runs:
@@ -22,7 +23,8 @@ def plot_loss(runs: Sequence[dict[str, Any]], path: Path, *, target: float | Non
         steps = [e["step"] for e in evals]
         times = [e["train_time_s"] for e in evals]
         losses = [e["val_loss"] for e in evals]
-        style = "--" if run["ranks"][0]["method"] == "allreduce" else "-"
+        method = run["ranks"][0]["method"]
+        style = "--" if method == "allreduce" else "-." if method in ("accum", "localsgd", "diloco") else "-"
         by_step.plot(steps, losses, style, marker=".", label=run["label"])
         by_time.plot(times, losses, style, marker=".", label=run["label"])
     for axis in (by_step, by_time):

@@ -19,6 +19,12 @@ with the lowest mean step time over its seeds (:func:`best_buckets`), which is h
 tune it. The target validation loss is the tuned exact baseline's (:func:`default_target`:
 ``allreduce`` at its best bucket size), so "time to target" is time to quality against a tuned
 uncompressed baseline. With one bucket size all of this is the plain per-run report.
+
+Every method trains on the same tokens per optimizer step (``N x batch_size x seq_len``; ``accum:K``
+splits them into micro-batches), so bytes per token are bytes per step over the rank's
+``batch_size x seq_len``. ``localsgd``/``diloco``'s averages block after the optimizer step: their
+time (``sync_s``) counts as exposed communication (and not as optimizer time), and the replica
+divergence measured right after each of them is :attr:`RunSummary.post_sync_divergence`.
 """
 
 from __future__ import annotations
@@ -81,6 +87,15 @@ class RunSummary:
     rescales: int
     skipped_steps: int
     parameters: int
+    family: str
+    setting: str
+    tokens_per_step: int
+    tokens: int
+    bytes_per_token: float
+    syncs_per_step: float
+    sync_s: float
+    averages: int
+    post_sync_divergence: float | None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,8 +113,11 @@ def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
     def per_step(key: str) -> float:
         return _mean([_mean([s[key] for s in r["steps"][SKIP_STEPS:] or r["steps"]]) for r in ranks])
 
-    def all_steps(key: str) -> float:
-        return _mean([_mean([s[key] for s in r["steps"]]) for r in ranks])
+    def all_steps(key: str, missing: float = 0.0) -> float:
+        return _mean([_mean([s.get(key, missing) for s in r["steps"]]) for r in ranks])
+
+    def per_step_or(key: str, missing: float) -> float:  # figures that older records lack
+        return _mean([_mean([s.get(key, missing) for s in r["steps"][SKIP_STEPS:] or r["steps"]]) for r in ranks])
 
     evals = first["evals"]  # validation loss and divergence are the same on every rank
     time_to_target = None
@@ -109,8 +127,11 @@ def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
     backward = per_step("backward_s")
     compute = per_step("backward_compute_s")
     exposed = per_step("exposed_comm_s")
+    sync_s = per_step_or("sync_s", 0.0)
     counters = [r["counters"] for r in ranks]
     config = TrainConfig.from_dict(run["config"])
+    bytes_per_step = all_steps("bytes_sent")
+    averages = (first.get("method_info") or {}).get("syncs") or []
     return RunSummary(
         label=run["label"],
         method=first["method"],
@@ -125,10 +146,10 @@ def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
         step_s=per_step("step_s"),
         forward_s=per_step("forward_s"),
         backward_compute_s=compute,
-        exposed_comm_s=exposed,
+        exposed_comm_s=exposed + sync_s,
         backward_rest_s=max(0.0, backward - compute - exposed),
-        optimizer_s=per_step("optimizer_s"),
-        bytes_per_step=all_steps("bytes_sent"),
+        optimizer_s=max(0.0, per_step("optimizer_s") - sync_s),
+        bytes_per_step=bytes_per_step,
         bytes_measured=bool(first["bytes_measured"]),
         collectives_per_step=all_steps("collectives"),
         encode_s_per_step=all_steps("encode_s"),
@@ -146,6 +167,15 @@ def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
         rescales=int(max(c.get("rescales", 0) for c in counters)),
         skipped_steps=int(max(r["skipped_steps"] for r in ranks)),
         parameters=int(first["parameters"]),
+        family=config.family,
+        setting=config.setting,
+        tokens_per_step=int(run["world_size"]) * config.batch_size * config.model.seq_len,
+        tokens=int(run["world_size"]) * config.batch_size * config.model.seq_len * config.steps,
+        bytes_per_token=bytes_per_step / (config.batch_size * config.model.seq_len),
+        syncs_per_step=all_steps("syncs", 1.0),  # a DDP hook: one per step
+        sync_s=sync_s,
+        averages=len(averages),
+        post_sync_divergence=max((a["divergence"] for a in averages), default=None),
     )
 
 
@@ -249,7 +279,7 @@ def format_table(
     """The summary table as text (also valid Markdown)."""
     header = (
         "| run | final val loss | time to target (s) | train time (s) | step (ms) | exposed comm (ms) "
-        "| bytes/step (MB) | max divergence | non-finite | resyncs | rescales |"
+        "| bytes/step (MB) | bytes/token | syncs/step | max divergence | non-finite | resyncs | rescales |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for s in summaries:
@@ -257,12 +287,14 @@ def format_table(
         lines.append(
             f"| {s.label} | {s.final_val_loss:.4f} | {fmt(s.time_to_target_s, '.1f')} | {s.train_time_s:.1f} "
             f"| {1e3 * s.step_s:.1f} | {1e3 * s.exposed_comm_s:.1f} | {s.bytes_per_step / 1e6:.3f} ({kind}) "
+            f"| {s.bytes_per_token:.1f} | {s.syncs_per_step:.3f} "
             f"| {s.max_divergence:.2e} | {s.nonfinite_events} | {s.resyncs} | {s.rescales} |"
         )
     notes = [
         "",
         f"target validation loss: {fmt(target, '.4f')} ({target_rule})",
         f"noise yardstick (allreduce, spread of final val loss over seeds): {fmt(spread, '.4f')}",
+        _tokens_note(summaries),
     ]
     if link_rate_bytes_per_s:
         notes.append(f"link rate measured by the launcher's probe: {link_rate_bytes_per_s / 1e6:.1f} MB/s per rank")
@@ -278,6 +310,12 @@ def format_table(
             f"replica divergence of {s.label}: exact at the end {fmt(s.exact_final_divergence, '.2e')}"
             f" (sketch {s.final_divergence:.2e}); largest in {s.divergence_where or '-'}"
         )
+    for s in summaries:
+        if s.averages:
+            notes.append(
+                f"replica divergence right after each of {s.label}'s {s.averages} averages: at most "
+                f"{fmt(s.post_sync_divergence, '.2e')}"
+            )
     if comparisons:
         notes += [
             "",
@@ -293,3 +331,14 @@ def format_table(
                 f"| {fmt(c['saving_ratio'], '.2f')} |"
             )
     return "\n".join(lines + notes)
+
+
+def _tokens_note(summaries: Sequence[RunSummary]) -> str:
+    """How many tokens the runs trained on: one line if they all agree, else per run."""
+    counts = {(s.tokens_per_step, s.tokens) for s in summaries}
+    if len(counts) == 1:
+        per_step, total = counts.pop()
+        return f"tokens: {per_step:,} per optimizer step, {total:,} per run, the same for every run"
+    return "tokens per step / per run: " + ", ".join(
+        f"{s.label} {s.tokens_per_step:,} / {s.tokens:,}" for s in summaries
+    )

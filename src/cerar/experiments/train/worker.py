@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", type=Path, default=None, help="a TrainConfig JSON (overrides the options)")
     parser.add_argument(
-        "--method", default="allreduce", help="allreduce, ring, cerar[:c|:kN], fp16, bf16, powersgd[:r]"
+        "--method",
+        default="allreduce",
+        help="allreduce, ring, cerar[:c|:kN], fp16, bf16, powersgd[:r], or a schedule around one: accum:K[:<method>], "
+        "localsgd:H[:<method>], diloco:H[:lrX][:<method>]",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="rank 0 writes the run's JSON here")
