@@ -18,7 +18,7 @@ from cerar.experiments.train.tuning import family_rows, format_families
 #: A spec of every method (with its parameter where it takes one).
 METHOD_SPECS = {
     "allreduce": "allreduce", "ring": "ring", "cerar": "cerar:8:fp16", "hier-ring": "hier-ring",
-    "hier-cerar": "hier-cerar:2N", "fp16": "fp16", "bf16": "bf16", "powersgd": "powersgd:2",
+    "hier-cerar": "hier-cerar:2N", "fp16": "fp16", "bf16": "bf16", "powersgd": "powersgd:2", "auto": "auto:1e-3",
 }  # fmt: skip
 
 
