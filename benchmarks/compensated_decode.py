@@ -123,18 +123,26 @@ def float64_decoder(data: RankData) -> Decoder:
     return decode
 
 
+def split_matrices(
+    data: RankData, groups: list[tuple[int, int]]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], torch.Tensor]:
+    """The observations' weights ``W * 2**r`` split into float32 ``W_hi = fl32(W)`` and ``W_lo =
+    W - W_hi`` per group of slots (keyed by its first slot), and the own part's ``D / 2**r``."""
+    weights = data.decode_obs * data.rows_scale
+    high = weights.float()
+    low = (weights - high.double()).float()
+    highs = {a: high[:, a:b].contiguous() for a, b in groups}
+    lows = {a: low[:, a:b].contiguous() for a, b in groups}
+    return highs, lows, (data.decode_own / data.rows_scale).float()
+
+
 def float32_decoder(data: RankData, split_weights: bool) -> Decoder:
     """A float32 accumulator: the own part written straight into it, each group one ``addmm`` on
     the observations as they lie (float32 packets: no copy); with ``split_weights`` a second
     ``addmm`` with ``W_lo = W - fl32(W)``."""
     c, m = data.columns.shape[1], data.columns.shape[0]
     pieces, groups = segments(m, 4), slot_groups(c)
-    weights = data.decode_obs * data.rows_scale
-    high = weights.float()
-    low = (weights - high.double()).float()
-    highs = {a: high[:, a:b].contiguous() for a, b in groups}
-    lows = {a: low[:, a:b].contiguous() for a, b in groups}
-    own_matrix = (data.decode_own / data.rows_scale).float()
+    highs, lows, own_matrix = split_matrices(data, groups)
     total = torch.empty(c * m)
 
     def decode(out: torch.Tensor) -> None:
@@ -170,12 +178,7 @@ def two_float_decoder(data: RankData, update: Callable[..., None]) -> Decoder:
     float32 products (MKL), summed into the pair by ``update``; out = ``high + low``."""
     c, m = data.columns.shape[1], data.columns.shape[0]
     pieces, groups = segments(m, 4), slot_groups(c)
-    weights = data.decode_obs * data.rows_scale
-    high_w = weights.float()
-    low_w = (weights - high_w.double()).float()
-    highs = {a: high_w[:, a:b].contiguous() for a, b in groups}
-    lows = {a: low_w[:, a:b].contiguous() for a, b in groups}
-    own_matrix = (data.decode_own / data.rows_scale).float()
+    highs, lows, own_matrix = split_matrices(data, groups)
     widest = max(b - a for a, b in pieces)
     product, tail = torch.empty(c, widest), torch.empty(c, widest)
     high_flat, low_flat = torch.empty(c * m), torch.empty(c * m)
