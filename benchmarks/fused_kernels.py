@@ -182,7 +182,7 @@ def study_send(size: float, m: int, packet: torch.dtype, kernels: dict, timer_ar
         for a, b in pieces:
             if packet == torch.float32:
                 torch.add(received[a:b], increment[a:b], out=out[a:b])
-            else:  # CerarRun.prepare: add in the data's dtype, then round
+            else:  # CerarRun's prepare: add in the data's dtype, then round
                 torch.add(increment[a:b], received[a:b], out=encoded[a:b])
                 out[a:b].copy_(encoded[a:b])
 

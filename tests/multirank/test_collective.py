@@ -394,3 +394,51 @@ def test_without_process_group_raises() -> None:
         pytest.skip("a process group exists in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         cerar.all_reduce(torch.ones(3))
+
+
+def _kept_layout_worker(rank: int, world: int) -> dict[str, object]:
+    """Calls of one layout reuse its bound run (its program and chain): each call must still
+    decode its own input, forget the previous call's NaN, and keep no caller tensor alive."""
+    import gc
+    import weakref
+
+    from cerar.comm.algorithms import CerarRun
+    from cerar.comm.transport import WORKSPACE
+
+    code = codes.perturbed(world, 2 * world)
+    errors, kept = [], []
+    for seed, nan in ((0, False), (1, True), (2, False), (3, False)):
+        x = _make_input(rank, 20_011, 2 * world, torch.float32, seed)
+        if nan and rank == 1:
+            x[5] = float("nan")
+        expected = _gather(x).double().sum(0)
+        cerar.all_reduce(x, code=code, nonfinite="exact")
+        finite = torch.isfinite(expected)
+        scale = float(expected[finite].abs().max())
+        errors.append(float((x.double() - expected)[finite].abs().max()) / scale)
+        kept.append([id(v) for v in WORKSPACE.bound.values() if isinstance(v, CerarRun)])
+    probe = torch.randn(20_011)
+    alive = weakref.ref(probe)
+    cerar.all_reduce(probe, code=code)
+    del probe
+    gc.collect()
+    before = len(WORKSPACE.bound)
+    cerar.all_reduce(torch.randn(400_000), code=code)  # grows the buffers: the old runs go
+    return {
+        "errors": errors,
+        "kept": kept,
+        "probe_freed": alive() is None,
+        "bound_before": before,
+        "stale_dropped": all(run.d != 20_011 for run in WORKSPACE.bound.values()),
+    }
+
+
+def test_a_kept_layout_decodes_each_call_and_holds_no_tensor() -> None:
+    for result in run_ranks(_kept_layout_worker, 4, timeout=120):
+        errors, kept = result["errors"], result["kept"]
+        assert all(e < 1e-3 for e in errors), errors  # the NaN call fell back to the exact ring
+        assert errors[1] < 1e-6 and min(errors[2:]) > 1e-8  # exact, then coded again: the NaN forgotten
+        # One run per layout, reused (the fallback ring's buffers replaced it once).
+        assert len(kept[2]) == 1 and kept[2] == kept[3], kept
+        assert result["probe_freed"] and result["bound_before"] == 1
+        assert result["stale_dropped"]

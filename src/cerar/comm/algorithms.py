@@ -26,6 +26,7 @@ runs in the engine's ``landed`` hook, once the piece's next round is on the wire
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from cerar.coding.scaling import ScaleWindow, scale_window
 from cerar.comm.handshake import MaximaChain
 from cerar.comm.kernels import add_rounded, own_part_target, write_transposed
 from cerar.comm.stats import CommStats
-from cerar.comm.transport import WORKSPACE, Ring, run_rounds, segments
+from cerar.comm.transport import WORKSPACE, Action, Piece, Program, Ring, run_program, segments
 from cerar.protocol.schedule import Schedule
 
 # ---------------------------------------------------------------------------------------------
@@ -221,123 +222,216 @@ def run_cerar(
 ) -> CerarOutcome:
     """Run CERAR on this rank's contiguous 1-d ``flat`` (float32 or float64) and write the
     decoded sum into it if ``accept`` (default: always) agrees; see :class:`CerarRun`."""
-    return CerarRun(flat, code, ring, accept, scale_exponents, packet_dtype).run(stats)
+    return CerarRun.for_call(flat, code, ring, scale_exponents[0], packet_dtype).run(
+        stats, flat, accept, scale_exponents[1]
+    )
+
+
+_MAX_BOUND_LAYOUTS = 64  # DDP has a few dozen buckets at most; other callers' sizes are bounded too
 
 
 class CerarRun:
-    """One CERAR call on this rank: its buffers, and the three methods the round engine
-    (:func:`cerar.comm.transport.run_rounds`) calls for each piece of each round.
+    """CERAR on this rank for one layout (code, ring, size, dtypes, rows' scale): its buffers and
+    the :class:`cerar.comm.transport.Program` of its rounds, bound once and kept while the
+    workspace keeps its buffers (DDP repeats its buckets every step), then run for each call.
 
     1. While round 1 is on the wire, one pass over the input finds its ``max|x|`` (``inf`` for
-       NaN/Inf, :meth:`posted`); :class:`cerar.comm.handshake.MaximaChain` carries every rank's
-       in front of the first piece of rounds ``2 .. N`` (no message of its own).
+       NaN/Inf, :meth:`_own_maximum`); :class:`cerar.comm.handshake.MaximaChain` carries every
+       rank's in front of the first piece of rounds ``2 .. N`` (no message of its own).
     2. Each piece's increments are computed ``max(4, c / 2)`` rounds at a time, a batch ahead
-       (:meth:`landed`), from ``X / s``: ``s = 2**(r + q)`` for ``scale_exponents = (r, q)``
-       (:meth:`cerar.coding.scaling.ScaleWindow.split`), ``2**r`` folded into the increment rows
-       and the decoder (exact, and free), ``2**q`` (0 but near the ends of the dtype's range)
-       dividing a copy of the input. Sending a piece (:meth:`prepare`) adds its round's increment
-       to what arrived, in ``packet_dtype`` (default ``flat``'s dtype; a 16-bit packet is
-       computed in ``flat``'s dtype and rounded once): the critical path is that one add.
-    3. Observations arrive straight into their slot (:meth:`target`) and are folded into a
-       float64 accumulator (float32 for 16-bit packets) a group of slots at a time, times
-       ``2**r`` (:meth:`landed`, once the piece's next round is on the wire).
+       (in the piece's ``landed``), from ``X / s``: ``s = 2**(r + q)`` for ``scale_exponents =
+       (r, q)`` (:meth:`cerar.coding.scaling.ScaleWindow.split`), ``2**r`` folded into the
+       increment rows and the decoder (exact, and free), ``2**q`` (0 but near the ends of the
+       dtype's range) dividing a copy of the input. Sending a piece (its ``prepare``) adds its
+       round's increment to what arrived, in ``packet_dtype`` (default ``flat``'s dtype; a 16-bit
+       packet is computed in ``flat``'s dtype and rounded once): the critical path is that one add.
+    3. Observations arrive straight into their slot and are folded into a float64 accumulator
+       (float32 for 16-bit packets) a group of slots at a time, times ``2**r`` (:meth:`_fold`,
+       once the piece's next round is on the wire).
     4. When the last round's piece lands, the chain has long completed: ``accept(maxima)``
        decides, the same on every rank, and the piece's sum, times ``2**q``, is written (or
        nothing is, and ``flat`` keeps its input for the caller's fallback or redo).
+
+    What belongs to one call (the input's views, the chain's values, the decision) is set by
+    :meth:`run` and dropped when it returns: a kept layout holds no caller's tensor.
     """
+
+    @classmethod
+    def for_call(
+        cls, flat: torch.Tensor, code: Code, ring: Ring, rows_exponent: int = 0, packet_dtype: torch.dtype | None = None
+    ) -> CerarRun:
+        """The run of ``flat``'s layout: the one kept in the workspace, or a new one (kept)."""
+        packet = packet_dtype or flat.dtype
+        key = ("cerar", code.fingerprint, ring, flat.numel(), flat.dtype, packet, str(flat.device), rows_exponent)
+        run = WORKSPACE.bound.get(key)
+        if run is None:
+            run = cls(code, ring, flat.numel(), flat.dtype, packet, flat.device, rows_exponent)
+            if len(WORKSPACE.bound) >= _MAX_BOUND_LAYOUTS:
+                WORKSPACE.bound.clear()
+            WORKSPACE.bound[key] = run  # after its buffers: taking them may clear the kept runs
+        return run
 
     def __init__(
         self,
-        flat: torch.Tensor,
         code: Code,
         ring: Ring,
-        accept: Accept | None = None,
-        scale_exponents: tuple[int, int] = (0, 0),
-        packet_dtype: torch.dtype | None = None,
+        numel: int,
+        dtype: torch.dtype,
+        packet: torch.dtype,
+        device: torch.device,
+        rows_exponent: int = 0,
     ) -> None:
-        self.flat, self.ring, self.accept = flat, ring, accept
+        self.ring, self.dtype, self.device = ring, dtype, device
         c = self.c = code.components
-        d = self.d = flat.numel()
+        d = self.d = numel
         self.full_rows = d // c  # columns held in flat (or its scaled copy) as they are
         m = math.ceil(d / c)
-        dtype, device = flat.dtype, flat.device
-        packet = packet_dtype or dtype
         plan = _torch_plan(code, ring.rank, device)
         self.rounds = plan.increments.shape[0]
         self.first_observed = plan.first_observed_round
-        self.rows_exponent, self.data_exponent = scale_exponents
-        self.rows_scale = math.ldexp(1.0, self.rows_exponent)  # |r| stays far inside float64
+        self.rows_scale = math.ldexp(1.0, rows_exponent)  # |r| stays far inside float64
         # The sum accumulates in the precision the packets need: float64 for float32/float64
         # packets, float32 for 16-bit ones, whose own rounding dwarfs float32's.
         self.acc_dtype = accumulator_dtype(packet)
-        scaled = _scaled_matrices(code, ring.rank, device, dtype, self.acc_dtype, self.rows_exponent)
-        self.per_product, self.batch_rows, self.batch_of = scaled.per_product, scaled.batch_rows, scaled.batch_of
+        scaled = _scaled_matrices(code, ring.rank, device, dtype, self.acc_dtype, rows_exponent)
+        self.batch_rows, self.batch_of = scaled.batch_rows, scaled.batch_of
         self.group_weights, self.group_of_last_slot = scaled.group_weights, scaled.group_of_last_slot
         self.decode_own = scaled.decode_own
-        groups = slot_groups(c)
         self.pieces = segments(m, torch.empty((), dtype=packet).element_size())
-        self._piece_views(dtype, device)
         widest = max((b - a for a, b in self.pieces), default=0)
         # Every packet row starts with the maxima chain's front (8 N bytes), sent only by the
         # first piece of rounds 2 .. N; the values follow it.
         self.chain = MaximaChain(ring, device, packet)
         f = self.front = self.chain.front
-        self.carrying = frozenset(t for t in range(1, self.rounds + 1) if self.chain.carries(t, self.rounds))
         self.send = WORKSPACE.get("send", (2, f + m), packet, device)
         self.recv = WORKSPACE.get("recv", (2, f + m), packet, device)  # rounds before the first observation
-        self.widen = packet != dtype  # 16-bit packets: add in flat's dtype, round once
-        self.own = WORKSPACE.get("own_part", (c, widest), dtype, device)
-        deepest = max(stop - start for start, stop in groups)
-        self.arrived = WORKSPACE.get("arrived", (deepest, widest), self.acc_dtype, device)
+        own = WORKSPACE.get("own_part", (c, widest), dtype, device)
+        deepest = max(stop - start for start, stop in slot_groups(c))
+        arrived = WORKSPACE.get("arrived", (deepest, widest), self.acc_dtype, device)
         # Observation rounds receive straight into their slot (kept until the slot's group is
         # folded); rounds before them into two alternating scratch packets.
         self.observations = WORKSPACE.get("observations", (c, f + m), packet, device)
-        self.control_bytes = 0  # the chain's, sent inside data packets: not counted as data
+        increments = WORKSPACE.get("increments", (scaled.per_product * m,), dtype, device)
+        totals = WORKSPACE.get("decoded", (c * m,), self.acc_dtype, device)
+        # Per piece (keyed by its first column): its batch of increments (B, w) and its sum
+        # (c, w) in the accumulator's dtype, each contiguous; the own part's target; per group
+        # of slots, the scratch it is widened into and the slots it reads.
+        rows = scaled.per_product
+        self.increments = {a: increments[rows * a : rows * b].view(rows, b - a) for a, b in self.pieces}
+        self.totals = {a: totals[c * a : c * b].view(c, b - a) for a, b in self.pieces}
+        self.own_targets = {a: own_part_target(self.totals[a], own[:, : b - a]) for a, b in self.pieces}
+        self.folds = {
+            (a, start): (arrived[: stop - start, : b - a], self.observations[start:stop, f + a : f + b])
+            for a, b in self.pieces
+            for start, stop in slot_groups(c)
+        }
+        self.program = self._bind(packet != dtype)
+        self.control_bytes = sum(  # the chain's, sent inside data packets: not counted as data
+            f * self.send.element_size() for t in range(1, self.rounds + 1) if self.chain.carries(t, self.rounds)
+        ) if self.pieces else 0  # fmt: skip
+        # One call's state, set by run().
+        self.flat: torch.Tensor | None = None
+        self.accept: Accept | None = None
+        self.data_exponent = 0
+        self.columns: dict[int, torch.Tensor] = {}
         self.encode_s = self.decode_s = 0.0
         self.maxima: list[float] = []
         self.written: bool | None = None  # decided once, after the last round
 
-    def _piece_views(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Per piece (keyed by its first column): its rows as a ``(w, c)`` view of the source (the
-        last piece copied and zero padded if ``c`` does not divide ``d``), its batch of increments
-        ``(B, w)`` and its sum ``(c, w)`` in the accumulator's dtype, each contiguous. The source is ``flat``, or near
-        the ends of the dtype's range a copy divided by ``2**q`` (exact), released after the call."""
-        c, d, m = self.c, self.d, math.ceil(self.d / self.c)
-        source = self.flat
-        if self.data_exponent:
-            source = WORKSPACE.get("scaled_input", (d,), dtype, device)
-            torch.mul(self.flat, math.ldexp(1.0, -self.data_exponent), out=source)
-        self.columns: dict[int, torch.Tensor] = {}
-        self.increments: dict[int, torch.Tensor] = {}
-        self.totals: dict[int, torch.Tensor] = {}
-        increment_flat = WORKSPACE.get("increments", (self.per_product * m,), dtype, device)
-        total_flat = WORKSPACE.get("decoded", (c * m,), self.acc_dtype, device)
+    def _arrived(self, t: int) -> torch.Tensor:
+        """The packet row round ``t`` arrives in: its observation slot, or a scratch row."""
+        slot = t - self.first_observed
+        return self.observations[slot] if slot >= 0 else self.recv[t % 2]
+
+    def _bind(self, widen: bool) -> Program:
+        """Every round's pieces: their views and the ops that fill and use them."""
+        f, program = self.front, []
+        for t in range(1, self.rounds + 1):
+            carrying = self.chain.carries(t, self.rounds)
+            pieces = []
+            for a, b in self.pieces:
+                row = self.send[t % 2]
+                out, arrived = row[f + a : f + b], self._arrived(t)
+                increment = self.increments[a][self.batch_of[t][1]]
+                prepare: Action
+                if t == 1:  # the piece's first batch, while earlier pieces are on the wire
+                    prepare = functools.partial(self._first_round, a, out, increment)
+                elif widen:  # computed in flat's dtype, rounded once to the packet dtype
+                    prepare = functools.partial(add_rounded, increment, self._arrived(t - 1)[f + a : f + b], out)
+                else:
+                    prepare = functools.partial(torch.add, self._arrived(t - 1)[f + a : f + b], increment, out=out)
+                received: Action | None = None
+                if a == 0 and carrying:  # the chain's hop rides in front of the first piece
+                    prepare = functools.partial(self._with_chain, prepare, row[:f])
+                    received = functools.partial(self.chain.absorb, arrived[:f])
+                    out, arrived = row[: f + b], arrived[: f + b]
+                else:
+                    arrived = arrived[f + a : f + b]
+                pieces.append(Piece(out, arrived, prepare, received, self._landed(t, a, b)))
+            program.append(pieces)
+        return Program(program, self.device, posted={1: self._own_maximum})
+
+    def _landed(self, t: int, a: int, b: int) -> Action | None:
+        """Off the critical path, once round ``t``'s piece has landed and round ``t + 1``'s is on
+        the wire: the next batch of increments if round ``t + 1`` used the batch's last row (the
+        next batch is needed from round ``t + 2``), and the fold of a group of slots that this
+        observation completes."""
+        upcoming = self.batch_of.get(t + 2)
+        batch = upcoming[0] if upcoming is not None and upcoming[1] == 0 else None
+        group = self.group_of_last_slot.get(t - self.first_observed)
+        fold = None if group is None else functools.partial(self._fold, t, a, b, group)
+        if batch is None:
+            return fold
+        encode = functools.partial(self._encode_batch, batch, a)
+        return encode if fold is None else functools.partial(_both, encode, fold)
+
+    def run(
+        self, stats: CommStats, flat: torch.Tensor, accept: Accept | None = None, data_exponent: int = 0
+    ) -> CerarOutcome:
+        """One call on ``flat`` (this layout's size and dtype): the rounds, then the decision."""
+        self._arm(flat, accept, data_exponent)
+        try:
+            try:
+                run_program(self.ring, stats, self.program)
+            finally:
+                stats.bytes_sent -= self.control_bytes
+                stats.bytes_received -= self.control_bytes
+                if data_exponent:  # held only by calls at the ends of the range
+                    stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
+                    WORKSPACE.release("scaled_input")
+            stats.encode_s += self.encode_s
+            stats.decode_s += self.decode_s
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
+            return CerarOutcome(maxima=self.maxima, written=self.decide())  # decided here if there was no piece
+        finally:
+            self.flat, self.accept, self.columns = None, None, {}
+
+    def _arm(self, flat: torch.Tensor, accept: Accept | None, data_exponent: int) -> None:
+        """This call's state: the input's rows per piece as ``(w, c)`` views (the last piece
+        copied and zero padded if ``c`` does not divide ``d``), of ``flat`` or, near the ends of
+        the dtype's range, of a copy divided by ``2**q`` (exact), released after the call."""
+        if flat.numel() != self.d or flat.dtype != self.dtype:
+            raise ValueError(
+                f"Argument 'flat' must hold {self.d} values of {self.dtype}, not {flat.numel()} of {flat.dtype}."
+            )
+        self.flat, self.accept, self.data_exponent = flat, accept, data_exponent
+        self.encode_s = self.decode_s = 0.0
+        self.maxima, self.written = [], None
+        self.chain.reset()
+        c, d = self.c, self.d
+        source = flat
+        if data_exponent:
+            source = WORKSPACE.get("scaled_input", (d,), self.dtype, self.device)
+            torch.mul(flat, math.ldexp(1.0, -data_exponent), out=source)
+        self.columns = {}
         for a, b in self.pieces:
             if b <= self.full_rows:
                 self.columns[a] = source[a * c : b * c].view(b - a, c)
             else:
-                padded = WORKSPACE.get("tail", (b - a, c), dtype, device)
+                padded = WORKSPACE.get("tail", (b - a, c), self.dtype, self.device)
                 padded.view(-1)[: d - a * c].copy_(source[a * c :])
                 padded.view(-1)[d - a * c :].zero_()
                 self.columns[a] = padded
-            rows = self.per_product
-            self.increments[a] = increment_flat[rows * a : rows * b].view(rows, b - a)
-            self.totals[a] = total_flat[c * a : c * b].view(c, b - a)
-
-    def run(self, stats: CommStats) -> CerarOutcome:
-        try:
-            run_rounds(self.ring, stats, self.rounds, self.pieces, self.prepare, self.target,
-                       received=self.received, posted=self.posted, landed=self.landed)  # fmt: skip
-        finally:
-            stats.bytes_sent -= self.control_bytes
-            stats.bytes_received -= self.control_bytes
-            if self.data_exponent:  # held only by calls at the ends of the range
-                stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-                WORKSPACE.release("scaled_input")
-        stats.encode_s += self.encode_s
-        stats.decode_s += self.decode_s
-        stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-        return CerarOutcome(maxima=self.maxima, written=self.decide())  # decided here if there was no piece
 
     def decide(self) -> bool:
         """Whether to write the sum: ``accept(maxima)``, the same on every rank, asked once."""
@@ -346,57 +440,18 @@ class CerarRun:
             self.written = self.accept is None or self.accept(self.maxima)
         return self.written
 
-    # The engine's hooks, in the order it calls them for a piece.
+    # The ops bound into the program that need this call's input or state.
 
-    def prepare(self, t: int, a: int, b: int) -> torch.Tensor:
-        """Round ``t``'s piece to send: what arrived in round ``t - 1`` plus its increment (round
-        1 also computes the piece's first batch, while earlier pieces are on the wire); the
-        first piece of rounds ``2 .. N`` carries the maxima chain's hop in front of its values."""
-        if t == 1:
-            self._encode_batch(0, a)
-        increment = self.increments[a][self.batch_of[t][1]]
-        row, f = self.send[t % 2], self.front
-        out = row[f + a : f + b]
-        if t == 1:
-            out.copy_(increment)
-        elif self.widen:  # computed in flat's dtype, rounded once to the packet dtype
-            add_rounded(increment, self._arrived(t - 1)[f + a : f + b], out)
-        else:
-            torch.add(self._arrived(t - 1)[f + a : f + b], increment, out=out)
-        if a == 0 and t in self.carrying:
-            self.chain.write(row[:f])
-            self.control_bytes += f * row.element_size()
-            return row[: f + b]
-        return out
+    def _own_maximum(self) -> None:
+        self.chain.set_own_from(self.flat)  # one pass over the input, while round 1 is on the wire
 
-    def target(self, t: int, a: int, b: int) -> torch.Tensor:
-        """Where round ``t``'s piece arrives: its observation slot, or a scratch packet (with the
-        chain's front for the first piece of rounds ``2 .. N``)."""
-        row, f = self._arrived(t), self.front
-        return row[: f + b] if a == 0 and t in self.carrying else row[f + a : f + b]
+    def _first_round(self, a: int, out: torch.Tensor, increment: torch.Tensor) -> None:
+        self._encode_batch(0, a)
+        out.copy_(increment)
 
-    def _arrived(self, t: int) -> torch.Tensor:
-        """The packet row round ``t`` arrives in: its observation slot, or a scratch row."""
-        slot = t - self.first_observed
-        return self.observations[slot] if slot >= 0 else self.recv[t % 2]
-
-    def received(self, t: int, a: int, b: int) -> None:
-        if a == 0 and t in self.carrying:
-            self.chain.absorb(self._arrived(t)[: self.front])
-
-    def posted(self, t: int) -> None:
-        if t == 1:
-            self.chain.set_own_from(self.flat)  # one pass over the input, while round 1 is on the wire
-
-    def landed(self, t: int, a: int, b: int) -> None:
-        """Off the critical path: round ``t``'s piece has landed, round ``t + 1``'s is on the wire."""
-        upcoming = self.batch_of.get(t + 2)
-        if upcoming is not None and upcoming[1] == 0:
-            # Round t + 1 used the batch's last row: the next batch, needed from round t + 2.
-            self._encode_batch(upcoming[0], a)
-        group = self.group_of_last_slot.get(t - self.first_observed)
-        if group is not None:  # an observation that completes its group of slots
-            self._fold(t, a, b, group)
+    def _with_chain(self, prepare: Action, front: torch.Tensor) -> None:
+        prepare()
+        self.chain.write(front)
 
     def _encode_batch(self, j: int, a: int) -> None:
         """Batch ``j``'s increments of the piece starting at column ``a``."""
@@ -408,18 +463,15 @@ class CerarRun:
         """Fold a group of slots into the piece's sum (the own part ``D X`` with the first); after
         the last round, write the sum if :meth:`decide` says so."""
         began = time.perf_counter()
-        start, stop = group
-        c, d = self.c, self.d
+        start, _ = group
         acc = self.totals[a]
-        arrived = self.arrived[: stop - start, : b - a]
-        arrived.copy_(self.observations[start:stop, self.front + a : self.front + b])
-        if start == 0:  # straight into the accumulator where the dtypes agree (16-bit packets)
-            begin = own_part(self.decode_own, self.columns[a], own_part_target(acc, self.own[:, : b - a]))
-        else:
-            begin = None
+        arrived, observed = self.folds[(a, start)]
+        arrived.copy_(observed)
+        # The own part straight into the accumulator where the dtypes agree (16-bit packets).
+        begin = own_part(self.decode_own, self.columns[a], self.own_targets[a]) if start == 0 else None
         fold_slots(acc, arrived, self.group_weights[start], begin, self.rows_scale)
         if t == self.rounds and self.decide():
-            out = self.columns[a]
+            c, d, out = self.c, self.d, self.columns[a]
             if self.data_exponent and b <= self.full_rows:  # the scaled copy's pieces are not flat's
                 out = self.flat[a * c : b * c].view(b - a, c)
             write_transposed(acc, out)
@@ -427,6 +479,20 @@ class CerarRun:
             if b > self.full_rows:  # the copied last piece: its values back into flat
                 self.flat[a * c :].copy_(out.view(-1)[: d - a * c])
         self.decode_s += time.perf_counter() - began
+
+
+def _both(first: Action, second: Action) -> None:
+    first()
+    second()
+
+
+def _round_to(values: torch.Tensor, wire: torch.dtype) -> None:
+    values.copy_(values.to(wire))
+
+
+def _add_widened(into: torch.Tensor, arrived: torch.Tensor, widened: torch.Tensor) -> None:
+    widened.copy_(arrived)
+    into.add_(widened)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,30 +538,28 @@ def run_ring(
     widened = WORKSPACE.get("ring_widened", (chunk,), flat.dtype, flat.device) if wire != flat.dtype else None
     r = ring.rank
     owned = (r + 1) % n  # fully reduced here after the reduce-scatter
-
-    def prepare(t: int, a: int, b: int) -> torch.Tensor:
-        if t == n and wire != flat.dtype:
-            # Every rank must end with the same values: the owner keeps what it sends.
-            chunks[owned, a:b].copy_(chunks[owned, a:b].to(wire))
-        index = (r - t + 1) % n if t < n else (r + 1 - (t - n)) % n
-        out = send[t % 2, a:b]
-        out.copy_(chunks[index, a:b])
-        return out
-
-    def target(t: int, a: int, b: int) -> torch.Tensor:
-        return recv[t % 2, a:b]
-
-    def received(t: int, a: int, b: int) -> None:
-        arrived = recv[t % 2, a:b]
-        if t < n:  # reduce-scatter: accumulate in flat's dtype
-            if widened is not None:
-                widened[a:b].copy_(arrived)
-                arrived = widened[a:b]
-            chunks[(r - t) % n, a:b].add_(arrived)
-        else:  # all-gather: take the owner's values
-            chunks[(r - (t - n)) % n, a:b].copy_(arrived)
-
-    run_rounds(ring, stats, 2 * (n - 1), segments(chunk, flat.element_size()), prepare, target, received)
+    rounds = []
+    for t in range(1, 2 * (n - 1) + 1):
+        pieces = []
+        for a, b in segments(chunk, flat.element_size()):
+            out, arrived = send[t % 2, a:b], recv[t % 2, a:b]
+            index = (r - t + 1) % n if t < n else (r + 1 - (t - n)) % n
+            prepare: Action = functools.partial(out.copy_, chunks[index, a:b])
+            if t == n and wire != flat.dtype:
+                # Every rank must end with the same values: the owner keeps what it sends.
+                prepare = functools.partial(_both, functools.partial(_round_to, chunks[owned, a:b], wire), prepare)
+            received: Action
+            if t < n:  # reduce-scatter: accumulate in flat's dtype
+                into = chunks[(r - t) % n, a:b]
+                if widened is not None:
+                    received = functools.partial(_add_widened, into, arrived, widened[a:b])
+                else:
+                    received = functools.partial(into.add_, arrived)
+            else:  # all-gather: take the owner's values
+                received = functools.partial(chunks[(r - (t - n)) % n, a:b].copy_, arrived)
+            pieces.append(Piece(out, arrived, prepare, received))
+        rounds.append(pieces)
+    run_program(ring, stats, Program(rounds, flat.device))
     scale_by_power_of_two(padded, scale_exponent)
     if padded is not flat:
         flat.copy_(padded[:d])

@@ -123,10 +123,14 @@ def cerar_call(
         # The caller's dtype, not the working copy's: a float16 tensor on one rank and a bfloat16
         # one on another share the float32 copy, but their sum means nothing.
         identity = ("cerar", code.fingerprint, str(tensor.dtype), str(packet), flat.numel(), op, nonfinite)
-        summary = (
-            f"{code.describe()}, values {tensor.dtype}, packets {packet}, size {flat.numel()}, op {op}, "
-            f"nonfinite={nonfinite!r}"
-        )
+        described = code
+
+        def summary() -> str:  # only on a mismatch
+            return (
+                f"{described.describe()}, values {tensor.dtype}, packets {packet}, size {flat.numel()}, op {op}, "
+                f"nonfinite={nonfinite!r}"
+            )
+
         # The packet scale 2**e: the one this size's previous call ended with (e = 0 at first),
         # agreed in the handshake; the maxima that travel with the rounds tell whether it fit.
         key = (ring.send_to, ring.recv_from, flat.numel(), precision)  # per ring
@@ -246,4 +250,7 @@ def _record(ring: Ring, call: CommStats, stats: CommStats | None) -> None:
 def ring_of(group: dist.ProcessGroup | None) -> Ring | None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
-    return Ring.of(group)
+    state = group_state(group)
+    if state.ring is None:  # once per group: its members and their global ranks do not change
+        state.ring = Ring.of(group) or False
+    return state.ring or None

@@ -32,12 +32,15 @@ class GroupState:
         scale_exponents: per ``(send_to, recv_from, size, packet precision)``, the packet scale
             exponent the last CERAR call of that size ended with.
         nodes: per ``ranks_per_node``, the hierarchical path's node groups.
+        ring: this process's :class:`cerar.comm.transport.Ring` over the group (``False`` if it
+            is not a member), worked out by the first call (the group's membership is fixed).
     """
 
     calls: int = 0
     stats: CommStats = field(default_factory=CommStats)
     scale_exponents: dict[tuple[Any, ...], int] = field(default_factory=dict)
     nodes: dict[int, Any] = field(default_factory=dict)
+    ring: Any = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()

@@ -35,9 +35,10 @@ the call.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -68,8 +69,10 @@ class SettingsMismatchError(ValueError):
     is a call ahead of or behind the others."""
 
 
+@functools.lru_cache(maxsize=1024)
 def settings_hash(identity: Sequence[Any]) -> float:
-    """A 48-bit hash of ``identity`` as a float64 (exact)."""
+    """A 48-bit hash of ``identity`` (hashable) as a float64 (exact), remembered: a bucket's
+    calls repeat their settings every step."""
     digest = hashlib.sha256(repr(tuple(identity)).encode()).digest()
     return float(int.from_bytes(digest[:6], "big"))
 
@@ -86,12 +89,12 @@ def dissemination_distances(size: int) -> list[int]:
 def _max_around(ring: Ring, own: torch.Tensor, tag: int, first_round: int) -> torch.Tensor:
     """The element-wise maximum of ``own`` over the ring's ranks: dissemination hops (the ring's
     ``N - 1`` forwarding hops if it does not know its peers)."""
-    total = own.clone()
-    received = torch.empty_like(own)
+    total, received = own.clone(), torch.empty_like(own)
     distances = dissemination_distances(ring.size) if len(ring.peers) == ring.size else [1] * (ring.size - 1)
     for hop, distance in enumerate(distances, start=1):
         peer = ring.at_distance(distance)
-        recv_work, send_work = post_pair(total.clone(), received, peer, first_round + hop, tag)
+        # total is sent as it is: it changes only once the send is done.
+        recv_work, send_work = post_pair(total, received, peer, first_round + hop, tag)
         wait_for(recv_work, peer, first_round + hop)
         wait_for(send_work, peer, first_round + hop)
         torch.maximum(total, received, out=total)
@@ -109,7 +112,7 @@ def handshake(
     ring: Ring,
     settings: float,
     counter: int,
-    summary: str,
+    summary: str | Callable[[], str],
     *,
     max_abs: float = 0.0,
     scale_exponent: int = 0,
@@ -118,13 +121,15 @@ def handshake(
     """Run the handshake and return what every rank :class:`Agreed` on.
 
     Raises :class:`SettingsMismatchError` on every rank if the settings hashes or call counts
-    differ. Non-finite inputs are found later, overlapped (:class:`MaximaChain`).
+    differ, with every rank's ``summary`` (text, or a function that makes it: built only then).
+    Non-finite inputs are found later, overlapped (:class:`MaximaChain`).
     """
     fields = [settings, -settings, float(counter), -float(counter), max_abs, float(scale_exponent)]
     own = torch.tensor(fields, dtype=torch.float64, device=device or "cpu")
     total = _max_around(ring, own, HANDSHAKE_TAG, 0).tolist()
     if total[0] != -total[1] or total[2] != -total[3]:
-        texts = gather_text(ring, f"{summary}, call #{counter}", device)
+        text = summary if isinstance(summary, str) else summary()
+        texts = gather_text(ring, f"{text}, call #{counter}", device)
         lines = "; ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
         what = "different settings" if total[0] != -total[1] else "different call counts (a rank skipped a call)"
         raise SettingsMismatchError(f"cerar: ranks called the collective with {what}: {lines}")
@@ -169,6 +174,11 @@ class MaximaChain:
         self.front = ring.size * 8 // torch.empty((), dtype=packet_dtype).element_size()
         self.sent = 0  # hops posted
         self.heard = 0  # hops folded in
+
+    def reset(self) -> None:
+        """Forget the previous call's values (a run kept for its layout reuses its chain)."""
+        self.own.zero_()
+        self.sent = self.heard = 0
 
     def set_own_from(self, tensor: torch.Tensor) -> None:
         """This rank's slot from ``tensor``'s ``max|x|`` (``inf`` for NaN/Inf), computed where the

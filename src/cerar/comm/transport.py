@@ -2,11 +2,16 @@
 pipelined round engine that both algorithms of :mod:`cerar.comm.algorithms` run on.
 
 Every round of a ring algorithm sends one packet to the next rank and receives one from the
-previous; round ``t+1``'s packet depends on round ``t``'s only column by column. :func:`run_rounds`
+previous; round ``t+1``'s packet depends on round ``t``'s only column by column. :func:`run_program`
 therefore cuts each packet into column segments and keeps the link busy: segment ``s`` of round
 ``t+1`` is prepared and posted as soon as segment ``s`` of round ``t`` has arrived, while the
 other segments are still on the wire. Receives are posted before sends (Gloo's send waits for
 the peer's receive). Device-agnostic: CPU tensors on Gloo, CUDA tensors on NCCL.
+
+The engine runs a :class:`Program`: every piece of every round as its views and the torch ops
+that fill them, bound once (by :class:`cerar.comm.algorithms.CerarRun`, once per layout), so
+that a round costs the engine a few Python calls per piece rather than a few dozen; the
+communication thread holds the GIL that long less, and backward gets it back.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,11 +35,14 @@ class Workspace:
 
     Fresh multi-megabyte allocations cost more than the arithmetic done in them (every page is
     faulted in on first touch), so buffers are kept and only grown. ``held_bytes`` is what the
-    workspace holds now: the collective's extra memory beyond the caller's tensor.
+    workspace holds now: the collective's extra memory beyond the caller's tensor. ``bound``
+    keeps objects built on views of the buffers (a layout's :class:`Program`), and drops them
+    whenever a buffer is replaced or released: they never hold memory the workspace gave up.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+        self.bound: dict[Any, Any] = {}  # e.g. CerarRun by layout (cerar.comm.algorithms)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (name, dtype, str(device))
@@ -43,12 +51,14 @@ class Workspace:
         if buffer is None or buffer.numel() < size:
             buffer = torch.empty(size, dtype=dtype, device=device)
             self._buffers[key] = buffer
+            self._replaced()
         return buffer[:size].view(shape)
 
     def release(self, name: str) -> None:
         """Drop the buffers called ``name`` (of every dtype and device)."""
         for key in [key for key in self._buffers if key[0] == name]:
             del self._buffers[key]
+            self._replaced()
 
     @property
     def held_bytes(self) -> int:
@@ -56,6 +66,10 @@ class Workspace:
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._replaced()
+
+    def _replaced(self) -> None:
+        self.bound.clear()
 
 
 #: One workspace for the process: all cerar calls run on one communication thread.
@@ -83,15 +97,24 @@ class Ring:
             return pg, self.recv_from, self.send_to
         return pg, dist.get_group_rank(self.group, self.recv_from), dist.get_group_rank(self.group, self.send_to)
 
+    @functools.cached_property
+    def _at_distance(self) -> dict[int, Ring]:
+        return {}
+
     def at_distance(self, distance: int) -> Ring:
         """This ring with the ranks ``distance`` positions ahead and behind as the neighbours
-        (for :mod:`cerar.comm.handshake`'s dissemination hops); needs ``peers``."""
+        (for :mod:`cerar.comm.handshake`'s dissemination hops); needs ``peers``. Remembered, with
+        its :attr:`endpoints`: every call's handshake takes the same hops."""
         if distance % self.size == 1 % self.size:
             return self
+        known = self._at_distance.get(distance)
+        if known is not None:
+            return known
         if len(self.peers) != self.size:
             raise ValueError(f"Argument 'distance' other than 1 needs the ring's peers, not {distance!r} on {self!r}.")
         ahead, behind = self.peers[(self.rank + distance) % self.size], self.peers[(self.rank - distance) % self.size]
-        return dataclasses.replace(self, send_to=ahead, recv_from=behind)
+        ring = self._at_distance[distance] = dataclasses.replace(self, send_to=ahead, recv_from=behind)
+        return ring
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None) -> Ring | None:
@@ -149,10 +172,12 @@ DATA_TAG = 0x0CE0
 BATCH_ON_CPU = False
 
 
-def post_pair(
-    send: torch.Tensor, recv: torch.Tensor, ring: Ring, round_index: int, tag: int = DATA_TAG
-) -> tuple[dist.Work, dist.Work]:
-    """Post one piece's receive and send together: ``(recv_work, send_work)``.
+Post = Callable[[torch.Tensor, torch.Tensor, int], tuple[dist.Work, dist.Work]]
+
+
+def pair_poster(ring: Ring, device: torch.device, tag: int = DATA_TAG) -> Post:
+    """``post(send, recv, round_index) -> (recv_work, send_work)``: posts one piece's receive and
+    send together, for tensors on ``device``; worked out once per call, not per message.
 
     On an accelerator (NCCL) as one batch: NCCL's maintainers advise grouping a ring step's send
     with the receive it pairs with (``batch_isend_irecv`` runs them under one NCCL group), as
@@ -162,24 +187,44 @@ def post_pair(
     (``docs/results.md``). So CPU tensors take the two plain calls, receive first (Gloo's send
     waits for the peer's receive), straight on the process group (:attr:`Ring.endpoints`: what
     ``dist.irecv``/``dist.isend`` call after checking their arguments, which a call's dozens of
-    messages would otherwise repeat).
+    messages would otherwise repeat). Posting to a pair whose peer has gone raises at once, not on
+    wait: :class:`RingError`.
     """
-    try:
-        if send.device.type == "cpu" and not BATCH_ON_CPU:
-            pg, source, destination = ring.endpoints
-            recv_work = pg.recv([recv], source, tag)
-            return recv_work, pg.send([send], destination, tag)
+    if device.type == "cpu" and not BATCH_ON_CPU:
+        pg, source, destination = ring.endpoints
+        recv_on, send_on = pg.recv, pg.send
+
+        def post_cpu(send: torch.Tensor, recv: torch.Tensor, round_index: int) -> tuple[dist.Work, dist.Work]:
+            try:
+                recv_work = recv_on([recv], source, tag)
+                return recv_work, send_on([send], destination, tag)
+            except RuntimeError as exc:
+                raise _ring_error(ring, round_index, exc) from exc
+
+        return post_cpu
+
+    def post_batch(send: torch.Tensor, recv: torch.Tensor, round_index: int) -> tuple[dist.Work, dist.Work]:
         ops = [
             dist.P2POp(dist.irecv, recv, ring.recv_from, ring.group, tag),
             dist.P2POp(dist.isend, send, ring.send_to, ring.group, tag),
         ]
-        works = dist.batch_isend_irecv(ops)
-    except RuntimeError as exc:  # posting to a pair whose peer has gone raises at once, not on wait
-        raise _ring_error(ring, round_index, exc) from exc
-    if len(works) == 1:  # NCCL may return one handle for the coalesced batch: it covers both
-        return works[0], works[0]
-    recv_work, send_work = works
-    return recv_work, send_work
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            raise _ring_error(ring, round_index, exc) from exc
+        if len(works) == 1:  # NCCL may return one handle for the coalesced batch: it covers both
+            return works[0], works[0]
+        recv_work, send_work = works
+        return recv_work, send_work
+
+    return post_batch
+
+
+def post_pair(
+    send: torch.Tensor, recv: torch.Tensor, ring: Ring, round_index: int, tag: int = DATA_TAG
+) -> tuple[dist.Work, dist.Work]:
+    """Post one message pair (:func:`pair_poster`): ``(recv_work, send_work)``."""
+    return pair_poster(ring, send.device, tag)(send, recv, round_index)
 
 
 _SEGMENT_BYTES = 256 * 1024
@@ -195,61 +240,83 @@ def segments(values: int, itemsize: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
 
 
-#: ``f(t, a, b)``: the view of round ``t``'s packet columns ``[a, b)`` to send (``prepare``) or
-#: to receive into (``target``), handed to :func:`run_rounds`.
-PieceSource = Callable[[int, int, int], torch.Tensor]
+Action = Callable[[], object]
 
 
-def run_rounds(
-    ring: Ring,
-    stats: CommStats,
-    rounds: int,
-    pieces: list[tuple[int, int]],
-    prepare: PieceSource,
-    target: PieceSource,
-    received: Callable[[int, int, int], None] | None = None,
-    posted: Callable[[int], None] | None = None,
-    landed: Callable[[int, int, int], None] | None = None,
-) -> None:
-    """Run ``rounds`` ring rounds, each cut into the column ranges ``pieces``.
+class Piece(NamedTuple):
+    """One piece of one round as :func:`run_program` runs it: the views it posts and the ops
+    bound to them (each ``None`` if there is nothing to do)."""
 
-    For round ``t`` and piece ``[a, b)``: ``prepare(t, a, b)`` returns the view to send (it may
-    read what arrived in round ``t-1`` for the same piece, which has arrived by then, and must
-    write into a buffer that alternates with the round's parity: the engine waits for round
-    ``t-2``'s send of the piece before calling it); ``target(t, a, b)`` returns the view to
-    receive into; ``received(t, a, b)`` runs once that piece has arrived, before the next
-    round's piece is prepared from it (on the critical path: keep it to what ``prepare``
-    needs); ``landed(t, a, b)`` runs after that, once round ``t + 1``'s piece is on the wire
-    (for the last round: once the piece has arrived), so compute placed there overlaps the
-    transfers, and it may still read what arrived in round ``t`` (its buffer is reused only by
-    round ``t + 2``); ``posted(t)`` runs once all of round ``t`` is on the wire.
+    send: torch.Tensor  # posted as the round's send, once ``prepare`` has filled it
+    recv: torch.Tensor  # posted as the round's receive
+    prepare: Action | None = None  # fills ``send`` (may read the same piece of the round before)
+    received: Action | None = None  # once ``recv`` has arrived, before the next round's prepare
+    landed: Action | None = None  # once the next round's piece is on the wire (or, last, arrived)
+
+
+@dataclass
+class Program:
+    """Every round's pieces (the same column ranges in every round), and what runs once a round
+    is all on the wire (``posted``, by round number from 1)."""
+
+    rounds: list[list[Piece]]
+    device: torch.device
+    posted: dict[int, Action] = field(default_factory=dict)
+    bytes_sent: int = field(init=False)
+    bytes_received: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        pieces = [piece for pieces in self.rounds for piece in pieces]
+        self.bytes_sent = sum(p.send.numel() * p.send.element_size() for p in pieces)
+        self.bytes_received = sum(p.recv.numel() * p.recv.element_size() for p in pieces)
+
+
+def run_program(ring: Ring, stats: CommStats, program: Program, tag: int = DATA_TAG) -> None:
+    """Run ``program``'s rounds on ``ring``, each piece posted as soon as it can be.
+
+    For round ``t`` and piece ``s``: once piece ``s`` of round ``t - 1`` has arrived, its
+    ``received`` runs (on the critical path: keep it to what the next ``prepare`` needs); once
+    round ``t - 2``'s send of the piece is done (its send buffer alternates with the round's
+    parity), ``prepare`` fills ``send``, and ``recv`` and ``send`` are posted; then round
+    ``t - 1``'s ``landed`` runs, while round ``t``'s piece is on the wire, so compute placed
+    there overlaps the transfers (it may still read what arrived in round ``t - 1``: that buffer
+    is reused only by round ``t + 1``). ``posted[t]`` runs once all of round ``t`` is on the wire.
     """
-    recvs: dict[tuple[int, int], dist.Work] = {}
-    sends: dict[tuple[int, int], dist.Work] = {}
-    for t in range(1, rounds + 1):
-        for s, (a, b) in enumerate(pieces):
-            if t > 1:
-                wait_for(recvs.pop((t - 1, s)), ring, t - 1)
-                if received is not None:
-                    received(t - 1, a, b)
-            old = sends.pop((t - 2, s), None)
-            if old is not None:
-                wait_for(old, ring, t - 2)
-            send = prepare(t, a, b)
-            recv = target(t, a, b)
-            recvs[(t, s)], sends[(t, s)] = post_pair(send, recv, ring, t)
-            stats.bytes_sent += send.numel() * send.element_size()
-            stats.bytes_received += recv.numel() * recv.element_size()
-            if t > 1 and landed is not None:
-                landed(t - 1, a, b)
+    rounds = program.rounds
+    post = pair_poster(ring, program.device, tag)
+    width = len(rounds[0]) if rounds else 0
+    recvs: list[Any] = [None] * width
+    sends: list[list[Any]] = [[None] * width, [None] * width]
+    stats.bytes_sent += program.bytes_sent
+    stats.bytes_received += program.bytes_received
+    previous: list[Piece] = []
+    for t, pieces in enumerate(rounds, start=1):
+        pending = sends[t % 2]
+        for s, piece in enumerate(pieces):
+            if previous:
+                wait_for(recvs[s], ring, t - 1)
+                if previous[s].received is not None:
+                    previous[s].received()
+            if pending[s] is not None:
+                wait_for(pending[s], ring, t - 2)
+            if piece.prepare is not None:
+                piece.prepare()
+            recvs[s], pending[s] = post(piece.send, piece.recv, t)
+            if previous and previous[s].landed is not None:
+                previous[s].landed()
         stats.rounds += 1
-        if posted is not None:
-            posted(t)
-    for s, (a, b) in enumerate(pieces):
-        wait_for(recvs.pop((rounds, s)), ring, rounds)
-        if received is not None:
-            received(rounds, a, b)
-        if landed is not None:
-            landed(rounds, a, b)
-    for (t, _), work in sorted(sends.items()):
-        wait_for(work, ring, t)
+        after = program.posted.get(t)
+        if after is not None:
+            after()
+        previous = pieces
+    last = len(rounds)
+    for s, piece in enumerate(previous):
+        wait_for(recvs[s], ring, last)
+        if piece.received is not None:
+            piece.received()
+        if piece.landed is not None:
+            piece.landed()
+    for t in (last - 1, last):
+        for work in sends[t % 2]:
+            if work is not None:
+                wait_for(work, ring, t)
