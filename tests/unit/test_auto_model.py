@@ -158,6 +158,41 @@ def test_engine_verify_and_step_check() -> None:
     assert plan_of(engine) == {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "fastest")}
 
 
+@pytest.mark.parametrize("challenger_holds", [True, False])
+def test_engine_contests_a_plan_with_the_fastest_trial_steps(challenger_holds: bool) -> None:
+    # Per call the float16 ring wins both buckets (16-bit CERAR takes twice as long), but its steps take
+    # a second longer in the trials (its calls taking the cores backward needs, say, which no
+    # call time shows). 16-bit CERAR challenges the plan: the plan runs one window, CERAR the
+    # next, and the faster window's plan stays; here CERAR's steps either stay fast (it holds)
+    # or turn out slow once it runs (trial noise: the plan returns).
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    every = CONFIG.verify_every
+
+    def call_time(c: Candidate, v: int) -> float:
+        return true_time(FP16, v) * (2.0 if c is CERAR16 else 1.0 if c is FP16 else 3.0)
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:
+        extra = 1.0 if c is FP16 else 0.0
+        if c is CERAR16 and step >= DECIDED and not challenger_holds:
+            extra = 2.0
+        return call_time(c, v) + extra
+
+    now, plans = 0.0, {}
+    for step in range(DECIDED + 3 * every + 1):
+        engine.begin_step(step, now)
+        plans[step] = plan_of(engine)
+        for slot, numel in SLOTS.items():
+            choice = engine.choose(step, slot, numel, 4 * numel)
+            candidate = engine.candidates[choice.candidate]
+            engine.measured(step, slot, choice.candidate, call_time(candidate, numel))
+            now += step_cost(step, candidate, numel)
+    ring = {0: ("fp16", "fastest"), 1: ("fp16", "fastest")}
+    cerar16 = {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "step")}
+    assert plans[DECIDED] == ring and plans[DECIDED + every] == cerar16
+    assert plans[DECIDED + 2 * every] == (cerar16 if challenger_holds else ring)
+    assert plans[DECIDED + 3 * every] == plans[DECIDED + 2 * every]  # settled: no second contest
+
+
 def test_engine_size_change_and_hysteresis() -> None:
     config = AutoConfig(warmup=1, trials=3, verify_every=50, redecide_every=2, hysteresis=0.5)
     engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]

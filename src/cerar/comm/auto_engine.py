@@ -15,9 +15,13 @@ Its schedule depends on the step count alone, which every rank shares:
    can split the ranks;
 4. windows of ``verify_every`` steps by the plan, each agreed at its end: a slot by CERAR
    measured slower than predicted (by ``verify_tol``) or than its baseline goes to the
-   baseline (``"verify"``); after the first window that ran the plan unchanged, a plan whose
-   median step is slower than the fastest single method's trial steps (by ``step_tol``)
-   becomes that method (``"step"``);
+   baseline (``"verify"``). With steps (DDP), a call's time does not show what its coding
+   takes from backward, a step's does: if one method's trial steps were faster than the
+   plan's methods' by ``margin``, that method runs the second window everywhere (``"step"``)
+   and the faster of the two windows' median steps is kept (two trial steps are too noisy to
+   decide alone, ten steps of each are not). Otherwise, after the first window that ran the
+   plan unchanged, a plan whose median step is slower than the fastest single method's trial
+   steps (by ``step_tol``) becomes that method (``"step"``);
 5. a new calibration after ``redecide_every`` steps of the plan, or at the step after a slot's
    size changed (DDP rebuilt its buckets), with the previous plan as the hysteresis reference.
 
@@ -137,7 +141,8 @@ class AutoEngine:
     """
 
     __slots__ = (
-        "_began", "_lock", "_previous", "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform",
+        "_began", "_contest", "_lock", "_previous", "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps",
+        "_uniform",
         "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
         "plan", "start", "steps",
     )  # fmt: skip
@@ -165,6 +170,9 @@ class AutoEngine:
         self._window_steps: dict[tuple[int, int], float] = {}
         self._slot_times: dict[tuple[int, int], float] = {}  # agreed trial medians (candidate, slot)
         self._uniform: list[float] = []  # agreed median trial step per candidate
+        # The window contest of a plan against the method of the fastest trial steps: (the
+        # challenger, None) before the plan's window ends, then (the plan, its median step).
+        self._contest: tuple[int, tuple[dict[int, Choice], float] | None] | None = None
 
     # ---------------------------------------------------------------------------------------
     def phase(self, step: int) -> tuple[str, int, int]:
@@ -244,7 +252,7 @@ class AutoEngine:
     def _restart(self, step: int, reason: str) -> None:
         with self._lock:
             self._previous = {s: (self.layout[s][0], c.candidate) for s, c in self.plan.items() if s in self.layout}
-            self.start, self.layout, self._stale = step, {}, False
+            self.start, self.layout, self._stale, self._contest = step, {}, False, None
             for table in (self._trial, self._trial_steps, self._window, self._window_steps):
                 table.clear()
         self.history.append({"step": step, "event": "calibrate", "reason": reason})
@@ -276,7 +284,24 @@ class AutoEngine:
             if candidate != plan[s].candidate:
                 plan[s] = self._choice(s, candidate, "agreed", plan[s].baseline)
         self.plan, self._steps_checked = plan, False
+        challenger = self._challenger(slots) if self.steps else None
+        self._contest = None if challenger is None else (challenger, None)
         self._record(step, "decide")
+
+    def _challenger(self, slots: list[int]) -> int | None:
+        """The method whose trial steps were faster than every method of the plan's by
+        ``margin``, among those every slot may run (budget and pins), or None."""
+        usable = set(range(len(self._uniform)))
+        for s in slots:
+            allowed, pinned = self.config.pinned.allowed(self.candidates, self.layout[s][1])
+            usable &= set() if pinned else set(allowed)
+        known = sorted(k for k in usable if math.isfinite(self._uniform[k]))
+        methods = {self.plan[s].candidate for s in slots}
+        if not known or not methods:
+            return None
+        best = min(known, key=lambda k: (self._uniform[k], k))
+        reference = min(self._uniform[k] for k in methods)
+        return best if {best} != methods and self._uniform[best] < (1.0 - self.config.margin) * reference else None
 
     def _decide_slot(self, slot: int) -> Choice:
         numel, nbytes = self.layout[slot]
@@ -321,18 +346,38 @@ class AutoEngine:
         for s in slots:
             choice = self.plan[s]
             measured = _median([at[(window, j, s)] for j in range(every)], unknown=None)
-            if measured is None or self.candidates[choice.candidate].baseline or choice.reason == "pinned":
-                continue  # nothing measured, or nothing to go back to
+            if measured is None or self.candidates[choice.candidate].baseline or choice.reason in ("pinned", "step"):
+                continue  # nothing measured, nothing to go back to, or judged by the steps
             base = self._slot_times.get((choice.baseline, s), math.inf)
             slow = choice.predicted_s is None or measured > choice.predicted_s * (1 + config.verify_tol)
             if slow or measured > base * (1 + config.step_tol):
                 self.plan[s] = self._choice(s, choice.baseline, "verify", choice.baseline)
         plan_step = _median(agreed[len(keys) :], unknown=None)
+        if self._contest is not None:
+            self._run_contest(slots, plan_step, unchanged=self.plan == before)
         # The steps compare once, in the first window that ran the plan as it stands.
-        if self.steps and not self._steps_checked and self.plan == before and plan_step is not None:
+        elif self.steps and not self._steps_checked and self.plan == before and plan_step is not None:
             self._steps_checked = True
             self._check_steps(slots, plan_step)
         self._record(step, "verify")
+
+    def _run_contest(self, slots: list[int], plan_step: float | None, unchanged: bool) -> None:
+        """The plan's window has ended: the challenger runs the next one; the challenger's has
+        ended: the faster window's plan stays (the plan on a tie). The same on every rank: the
+        window medians are agreed."""
+        assert self._contest is not None
+        challenger, held = self._contest
+        if plan_step is None or (held is None and not unchanged):
+            self._contest = None  # nothing measured, or the plan changed: no contest
+        elif held is None:
+            self._contest = (challenger, (dict(self.plan), plan_step))
+            for s in slots:
+                self.plan[s] = self._choice(s, challenger, "step", self.plan[s].baseline)
+        else:
+            plan, held_step = held
+            if plan_step >= held_step:
+                self.plan = plan
+            self._contest, self._steps_checked = None, True
 
     def _check_steps(self, slots: list[int], plan_step: float) -> None:
         """A plan slower than the fastest single method's trial steps becomes that method."""
