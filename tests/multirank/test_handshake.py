@@ -113,6 +113,69 @@ def test_a_mismatch_moves_no_data_and_the_next_call_works() -> None:
         assert mean == pytest.approx(4.0, rel=1e-3)
 
 
+def _agreed_layout_worker(rank: int, world: int, kind: str) -> tuple[str, str, float, int]:
+    """Two layouts agreed (sizes 100 and 200, twice each), then one mismatched call of an
+    agreed layout on the others' side; then a call every rank makes the same must work."""
+    code = codes.perturbed(world, 8)
+    stats = CommStats()
+    for size in (100, 200, 100, 200):
+        cerar.all_reduce(torch.ones(size), code=code, stats=stats)
+    try:
+        if kind == "new size":  # rank 0 a size of its own (its first call of it), the others agreed
+            cerar.all_reduce(torch.ones(101 if rank == 0 else 100), code=code)
+        elif kind == "other agreed size":  # rank 2 another agreed layout: every rank takes the early path
+            cerar.all_reduce(torch.ones(200 if rank == 2 else 100), code=code)
+        elif kind == "skipped":  # rank 1 skips the call of size 200 that the others make first
+            if rank != 1:
+                cerar.all_reduce(torch.ones(200), code=code)
+            cerar.all_reduce(torch.ones(100), code=code)
+        first, message = "no error", ""
+    except handshake.SettingsMismatchError as exc:
+        first, message = "SettingsMismatchError", str(exc)
+    x = torch.full((100,), float(rank))
+    cerar.all_reduce(x, code=code, stats=stats)
+    return first, message, float(x.mean()), stats.agreed_calls
+
+
+@pytest.mark.parametrize("kind", ["new size", "other agreed size", "skipped"])
+def test_an_agreed_layout_still_raises_on_every_rank_and_the_next_call_works(kind: str) -> None:
+    # After a layout's first call, round 1 leaves beside the handshake's last hops, on the links
+    # whose two ends sent the same header; a mismatch must still raise everywhere, with the same
+    # message, and leave no message pending: the next call works and takes the early path again.
+    results = check(run_ranks(_agreed_layout_worker, 4, kind, timeout=90, pg_timeout=20))
+    assert {r[0] for r in results} == {"SettingsMismatchError"}
+    assert len({r[1] for r in results}) == 1
+    message = results[0][1]
+    assert "agreed layout at packet scale" in message
+    assert {"new size": "size 101", "other agreed size": "size 200", "skipped": "size 200"}[kind] in message
+    for _, _, mean, agreed_calls in results:
+        assert mean == pytest.approx(6.0, rel=1e-3)
+        assert agreed_calls == 3  # the repeats of 100 and 200, and the last call
+
+
+def _agreed_equals_first_worker(rank: int, world: int, packet: str) -> tuple[bool, int, int]:
+    """The same input three times: the first call runs the whole handshake first, the next two
+    the early path; the sums must be bitwise the same (the same scale, the same arithmetic)."""
+    code = cerar.codes.optimized(world, 2 * world, "fp16") if packet == "float16" else codes.perturbed(world, 8)
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(30_000, generator=generator)
+    stats = CommStats()
+    sums = []
+    for _ in range(3):
+        y = x.clone()
+        cerar.all_reduce(y, code=code, packet_dtype=getattr(torch, packet), stats=stats)
+        sums.append(y)
+    return all(torch.equal(sums[0], s) for s in sums[1:]), stats.agreed_calls, stats.calls
+
+
+@pytest.mark.parametrize("packet", ["float32", "float16"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_an_agreed_call_gives_the_first_calls_sum_bitwise(world: int, packet: str) -> None:
+    for equal, agreed_calls, calls in check(run_ranks(_agreed_equals_first_worker, world, packet, timeout=60)):
+        assert equal
+        assert (agreed_calls, calls) == (2, 3)
+
+
 def _flag_worker(rank: int, world: int, c: int) -> tuple[str, list[int], bool]:
     """NaN on rank 2 only; the policy "exact" must fall back on every rank, together."""
     x = torch.ones(1000)

@@ -326,9 +326,9 @@ class CerarRun:
             for start, stop in slot_groups(c)
         }
         self.program = self._bind(packet != dtype)
-        self.control_bytes = sum(  # the chain's, sent inside data packets: not counted as data
-            f * self.send.element_size() for t in range(1, self.rounds + 1) if self.chain.carries(t, self.rounds)
-        ) if self.pieces else 0  # fmt: skip
+        # The chain's bytes, sent inside data packets: not counted as data.
+        carrying = sum(self.chain.carries(t, self.rounds) for t in range(1, self.rounds + 1)) if self.pieces else 0
+        self.control_bytes = carrying * f * self.send.element_size()
         # One call's state, set by run().
         self.flat: torch.Tensor | None = None
         self.accept: Accept | None = None
@@ -386,13 +386,19 @@ class CerarRun:
         return encode if fold is None else functools.partial(_both, encode, fold)
 
     def run(
-        self, stats: CommStats, flat: torch.Tensor, accept: Accept | None = None, data_exponent: int = 0
+        self,
+        stats: CommStats,
+        flat: torch.Tensor,
+        accept: Accept | None = None,
+        data_exponent: int = 0,
+        gate: Action | None = None,
     ) -> CerarOutcome:
-        """One call on ``flat`` (this layout's size and dtype): the rounds, then the decision."""
+        """One call on ``flat`` (this layout's size and dtype): the rounds, then the decision.
+        ``gate`` runs once round 1 is on the wire (:func:`cerar.comm.transport.run_program`)."""
         self._arm(flat, accept, data_exponent)
         try:
             try:
-                run_program(self.ring, stats, self.program)
+                run_program(self.ring, stats, self.program, gate=gate)
             finally:
                 stats.bytes_sent -= self.control_bytes
                 stats.bytes_received -= self.control_bytes

@@ -31,6 +31,9 @@ class GroupState:
         stats: the group's cumulative :class:`CommStats` (``cerar.get_stats(group)``).
         scale_exponents: per ``(send_to, recv_from, size, packet precision)``, the packet scale
             exponent the last CERAR call of that size ended with.
+        agreed: per the same key, the settings hash of the last CERAR call of that size that
+            every rank completed: a call with the same settings is of an agreed layout
+            (:class:`cerar.comm.handshake.OpenHandshake`).
         nodes: per ``ranks_per_node``, the hierarchical path's node groups.
         ring: this process's :class:`cerar.comm.transport.Ring` over the group (``False`` if it
             is not a member), worked out by the first call (the group's membership is fixed).
@@ -39,6 +42,7 @@ class GroupState:
     calls: int = 0
     stats: CommStats = field(default_factory=CommStats)
     scale_exponents: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    agreed: dict[tuple[Any, ...], float] = field(default_factory=dict)
     nodes: dict[int, Any] = field(default_factory=dict)
     ring: Any = None
 

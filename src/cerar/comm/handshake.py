@@ -1,11 +1,11 @@
 """How the ranks of one call agree, over the ring's own point-to-point links: no collective.
 
-Before its data rounds, every call runs a *handshake*: ``ceil(log2 N)`` hops of a small
-fixed-size header, hop ``k`` sending to the rank ``2^k`` positions ahead on the ring and
-receiving from the one ``2^k`` behind, each rank keeping the element-wise maximum of what it
-holds and what it received (a dissemination pattern: the maximum ignores the overlaps), so that
-after the last hop every rank holds the maximum over all ranks (N = 4: 2 hops instead of the
-ring's 3; N = 8: 3 instead of 7). The header is ``[h, -h, k, -k, max|x|, e]``:
+Every call runs a *handshake*: ``ceil(log2 N)`` hops of a small fixed-size header. Hop 1
+exchanges it with both ring neighbours; hop ``k > 1`` sends to the rank ``2^(k-1)`` positions
+ahead and receives from the one as far behind, each rank keeping the element-wise maximum of
+what it holds and what it received (a dissemination pattern: the maximum ignores the overlaps),
+so that after the last hop every rank holds the maximum over all ranks (N = 4: 2 hops instead
+of the ring's 3; N = 8: 3 instead of 7). The header is ``[h, -h, k, -k, max|x|, e]``:
 
 * ``h``: a 48-bit hash of the call's settings (code, dtype, size, op, policy). All ranks agree
   iff ``max(h) == -max(-h)``, i.e. the largest hash equals the smallest.
@@ -18,14 +18,22 @@ ring's 3; N = 8: 3 instead of 7). The header is ``[h, -h, k, -k, max|x|, e]``:
   takes the largest, so the scale is the same on every rank even if their histories differ.
 
 A mismatch raises :class:`SettingsMismatchError` on every rank with the same message (each
-rank's settings, gathered around the ring the same way), before any data has moved: no rank
-ever receives a packet of the wrong size. Only point-to-point messages, with cerar's own tag,
-so the handshake can never pair with a collective the program runs on the same group from
-another thread (an all-reduce there aborted ranks with Gloo's "Received data size doesn't match
-expected size"). Its cost is ``ceil(log2 N)`` one-way latencies of a 48-byte message (a hop
-is a small share of a call's fixed cost). It cannot ride beside the first data rounds
-instead: a rank whose size differs would send a packet larger than its peer's receive, and
-Gloo aborts the receiving process (``op.preamble.length <= op.nbytes``), it does not raise.
+rank's settings, gathered around the ring the same way). Only point-to-point messages, with
+cerar's own tag, so the handshake can never pair with a collective the program runs on the same
+group from another thread (an all-reduce there aborted ranks with Gloo's "Received data size
+doesn't match expected size").
+
+*Once per layout.* The first call of a layout (group, size, settings) runs all hops before any
+data: no rank ever receives a packet of the wrong size (Gloo aborts the receiving process when
+a message is larger than the posted receive, ``op.preamble.length <= op.nbytes``; it does not
+raise, and torch's ``Work`` can neither be cancelled nor tell a received length). A later call
+of a layout every rank has agreed (:class:`OpenHandshake`) hashes the agreement and its packet
+scale into ``h``, and after hop 1 posts its first data round on each link whose two ends sent
+the same header, since both ends decide alike from the same two headers, every message posted
+is received and no size can differ; the remaining hops then overlap that round, and a mismatch
+found there raises on every rank once the posted messages have completed (their data is
+discarded). A skipped, extra or mismatched call thus still raises everywhere; what the agreed
+call saves is the latency of all hops but the first.
 
 CERAR checks finiteness and magnitude later, overlapped: :class:`MaximaChain` carries every
 rank's ``max|x|`` inside data rounds ``2 .. N`` (see :func:`cerar.comm.algorithms.run_cerar`), so
@@ -49,11 +57,13 @@ __all__ = [
     "HANDSHAKE_TAG",
     "Agreed",
     "MaximaChain",
+    "OpenHandshake",
     "SettingsMismatchError",
     "dissemination_distances",
     "gather_text",
     "handshake",
     "max_abs",
+    "open_handshake",
     "settings_hash",
 ]
 
@@ -86,17 +96,16 @@ def dissemination_distances(size: int) -> list[int]:
     return distances
 
 
-def _max_around(ring: Ring, own: torch.Tensor, tag: int, first_round: int) -> torch.Tensor:
-    """The element-wise maximum of ``own`` over the ring's ranks: dissemination hops (the ring's
-    ``N - 1`` forwarding hops if it does not know its peers)."""
-    total, received = own.clone(), torch.empty_like(own)
-    distances = dissemination_distances(ring.size) if len(ring.peers) == ring.size else [1] * (ring.size - 1)
-    for hop, distance in enumerate(distances, start=1):
+def _max_around(ring: Ring, total: torch.Tensor, tag: int, distances: Sequence[int]) -> torch.Tensor:
+    """Fold into ``total`` the element-wise maximum over the hops at ``distances`` (each hop
+    sends what the rank holds and keeps the maximum with what arrived)."""
+    received = torch.empty_like(total)
+    for hop, distance in enumerate(distances, start=2):
         peer = ring.at_distance(distance)
         # total is sent as it is: it changes only once the send is done.
-        recv_work, send_work = post_pair(total, received, peer, first_round + hop, tag)
-        wait_for(recv_work, peer, first_round + hop)
-        wait_for(send_work, peer, first_round + hop)
+        recv_work, send_work = post_pair(total, received, peer, hop, tag)
+        wait_for(recv_work, peer, hop)
+        wait_for(send_work, peer, hop)
         torch.maximum(total, received, out=total)
     return total
 
@@ -106,6 +115,78 @@ class Agreed(NamedTuple):
 
     max_abs: float  # the largest ``max|x|`` sent
     scale_exponent: int  # the largest exponent proposed
+
+
+class OpenHandshake:
+    """A handshake whose first hop is done: each rank has exchanged its header with both ring
+    neighbours, and knows whether each agrees with it (:attr:`predecessor_agrees`,
+    :attr:`successor_agrees`: the same answer on both ends of a link). :meth:`finish` runs the
+    remaining hops and raises on a mismatch anywhere on the ring.
+
+    A call whose layout the ranks have agreed before may post its first data round between the
+    two, on the links whose ends agree (both ends decide alike, so every message posted is
+    received): the remaining hops then overlap that round instead of preceding it.
+    """
+
+    def __init__(
+        self,
+        ring: Ring,
+        own: torch.Tensor,
+        counter: int,
+        summary: str | Callable[[], str],
+        device: torch.device | None,
+    ) -> None:
+        self.ring, self.counter, self.summary, self.device = ring, counter, summary, device
+        self.total = own.clone()
+        if len(ring.peers) != ring.size:  # a sub-ring that knows only its neighbours: N - 1 forwarding hops
+            self.rest, self.predecessor_agrees, self.successor_agrees = [1] * (ring.size - 1), False, False
+            return
+        # Hop 1 both ways (the successor's header too: a link's two ends then know the same), then
+        # dissemination hops 2, 4, ...: the maximum ignores the overlaps.
+        self.rest = dissemination_distances(ring.size)[1:]
+        behind, ahead = ring.at_distance(-1), ring
+        from_predecessor, from_successor = torch.empty_like(own), torch.empty_like(own)
+        works = [
+            (*post_pair(own, from_predecessor, ahead, 1, HANDSHAKE_TAG), ahead),
+            (*post_pair(own, from_successor, behind, 1, HANDSHAKE_TAG), behind),
+        ]
+        for recv_work, send_work, peer in works:
+            wait_for(recv_work, peer, 1)
+            wait_for(send_work, peer, 1)
+        torch.maximum(self.total, from_predecessor, out=self.total)
+        torch.maximum(self.total, from_successor, out=self.total)
+        identity = own[:4]
+        self.predecessor_agrees = bool(torch.equal(from_predecessor[:4], identity))
+        self.successor_agrees = bool(torch.equal(from_successor[:4], identity))
+
+    def finish(self) -> Agreed:
+        """The remaining hops; :class:`SettingsMismatchError` on every rank if the settings
+        hashes or call counts differ anywhere, with every rank's summary."""
+        total = _max_around(self.ring, self.total, HANDSHAKE_TAG, self.rest).tolist()
+        self.rest = []
+        if total[0] != -total[1] or total[2] != -total[3]:
+            text = self.summary if isinstance(self.summary, str) else self.summary()
+            texts = gather_text(self.ring, f"{text}, call #{self.counter}", self.device)
+            lines = "; ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
+            what = "different settings" if total[0] != -total[1] else "different call counts (a rank skipped a call)"
+            raise SettingsMismatchError(f"cerar: ranks called the collective with {what}: {lines}")
+        return Agreed(total[4], int(total[5]))
+
+
+def open_handshake(
+    ring: Ring,
+    settings: float,
+    counter: int,
+    summary: str | Callable[[], str],
+    *,
+    max_abs: float = 0.0,
+    scale_exponent: int = 0,
+    device: torch.device | None = None,
+) -> OpenHandshake:
+    """Run the handshake's first hop (:class:`OpenHandshake`); ``finish()`` completes it."""
+    fields = [settings, -settings, float(counter), -float(counter), max_abs, float(scale_exponent)]
+    own = torch.tensor(fields, dtype=torch.float64, device=device or "cpu")
+    return OpenHandshake(ring, own, counter, summary, device)
 
 
 def handshake(
@@ -124,16 +205,10 @@ def handshake(
     differ, with every rank's ``summary`` (text, or a function that makes it: built only then).
     Non-finite inputs are found later, overlapped (:class:`MaximaChain`).
     """
-    fields = [settings, -settings, float(counter), -float(counter), max_abs, float(scale_exponent)]
-    own = torch.tensor(fields, dtype=torch.float64, device=device or "cpu")
-    total = _max_around(ring, own, HANDSHAKE_TAG, 0).tolist()
-    if total[0] != -total[1] or total[2] != -total[3]:
-        text = summary if isinstance(summary, str) else summary()
-        texts = gather_text(ring, f"{text}, call #{counter}", device)
-        lines = "; ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
-        what = "different settings" if total[0] != -total[1] else "different call counts (a rank skipped a call)"
-        raise SettingsMismatchError(f"cerar: ranks called the collective with {what}: {lines}")
-    return Agreed(total[4], int(total[5]))
+    opened = open_handshake(
+        ring, settings, counter, summary, max_abs=max_abs, scale_exponent=scale_exponent, device=device
+    )
+    return opened.finish()
 
 
 def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> list[str]:

@@ -299,9 +299,10 @@ def _node_groups(group: dist.ProcessGroup | None, layout: NodeLayout) -> dist.Pr
 
 def _cross_ring(group: dist.ProcessGroup | None, layout: NodeLayout) -> Ring:
     """The ring of this local rank across nodes, point to point on the parent group."""
-    ranks = layout.cross_ranks(layout.local_rank)
+    ranks = [_global(group, r) for r in layout.cross_ranks(layout.local_rank)]
     m, k = layout.nodes, layout.node
-    return Ring(group, k, m, _global(group, ranks[(k + 1) % m]), _global(group, ranks[(k - 1) % m]))
+    # Its peers too: the handshake's dissemination hops (and its early round 1) need them.
+    return Ring(group, k, m, ranks[(k + 1) % m], ranks[(k - 1) % m], tuple(ranks))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,13 +20,15 @@ class CommStats:
         bytes_sent, bytes_received: bytes handed to / received from point-to-point ops.
         encode_s: time spent computing injections (the packets' increments).
         decode_s: time spent decoding observations into the result.
-        handshake_s: time in the call's handshake (settings, call number, scale), before any data.
+        handshake_s: time in the call's handshake (settings, call number, scale).
         wall_s: wall-clock time inside the calls.
         peak_extra_bytes: most memory the call allocated beyond the caller's tensor (max, not sum).
         fallbacks: calls that fell back to the exact ring (non-finite input, ``nonfinite="exact"``).
         nonfinite_events: calls whose input held NaN or Inf on some rank.
         rescales: CERAR calls redone at a new packet scale because their data left the packet
             format's safe range at the previous one (:mod:`cerar.coding.scaling`).
+        agreed_calls: CERAR calls of a layout every rank had agreed before, whose first data
+            round went out beside the handshake's last hops (:mod:`cerar.comm.handshake`).
     """
 
     calls: int = 0
@@ -41,6 +43,7 @@ class CommStats:
     fallbacks: int = 0
     nonfinite_events: int = 0
     rescales: int = 0
+    agreed_calls: int = 0
 
     def add(self, other: CommStats) -> CommStats:
         """Accumulate ``other`` into ``self`` (peaks take the max) and return ``self``."""

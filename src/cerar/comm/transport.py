@@ -271,7 +271,9 @@ class Program:
         self.bytes_received = sum(p.recv.numel() * p.recv.element_size() for p in pieces)
 
 
-def run_program(ring: Ring, stats: CommStats, program: Program, tag: int = DATA_TAG) -> None:
+def run_program(
+    ring: Ring, stats: CommStats, program: Program, tag: int = DATA_TAG, gate: Action | None = None
+) -> None:
     """Run ``program``'s rounds on ``ring``, each piece posted as soon as it can be.
 
     For round ``t`` and piece ``s``: once piece ``s`` of round ``t - 1`` has arrived, its
@@ -281,6 +283,10 @@ def run_program(ring: Ring, stats: CommStats, program: Program, tag: int = DATA_
     ``t - 1``'s ``landed`` runs, while round ``t``'s piece is on the wire, so compute placed
     there overlaps the transfers (it may still read what arrived in round ``t - 1``: that buffer
     is reused only by round ``t + 1``). ``posted[t]`` runs once all of round ``t`` is on the wire.
+
+    ``gate`` (a handshake's last hops) runs once round 1 is on the wire, before anything waits
+    for it; if it raises, the messages already posted are waited for first (their peers posted
+    them too), so no receive is left pending when the error leaves.
     """
     rounds = program.rounds
     post = pair_poster(ring, program.device, tag)
@@ -308,6 +314,12 @@ def run_program(ring: Ring, stats: CommStats, program: Program, tag: int = DATA_
         after = program.posted.get(t)
         if after is not None:
             after()
+        if t == 1 and gate is not None:
+            try:
+                gate()
+            except BaseException:
+                _drain(ring, [*recvs, *sends[1]])
+                raise
         previous = pieces
     last = len(rounds)
     for s, piece in enumerate(previous):
@@ -320,3 +332,30 @@ def run_program(ring: Ring, stats: CommStats, program: Program, tag: int = DATA_
         for work in sends[t % 2]:
             if work is not None:
                 wait_for(work, ring, t)
+
+
+def _drain(ring: Ring, works: list[Any]) -> None:
+    """Wait for ``works`` on an error path: a failure among them must not hide the error."""
+    for work in works:
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass
+
+
+def settle_round(ring: Ring, pieces: list[Piece], *, send: bool, recv: bool, then: Action, tag: int = DATA_TAG) -> None:
+    """Post only the sends (to the successor) and/or the receives (from the predecessor) of one
+    round's ``pieces``, as they are (what they carry is discarded), run ``then``, and wait for
+    what was posted, also when ``then`` raises: a rank whose handshake agreed with one neighbour
+    and not the other completes the messages that neighbour posted to it, or expects from it."""
+    works = []
+    try:
+        for piece in pieces:
+            if recv:
+                works.append(dist.irecv(piece.recv, src=ring.recv_from, group=ring.group, tag=tag))
+            if send:
+                works.append(dist.isend(piece.send, dst=ring.send_to, group=ring.group, tag=tag))
+        then()
+    finally:
+        _drain(ring, works)
