@@ -138,8 +138,9 @@ class OpenHandshake:
     ) -> None:
         self.ring, self.counter, self.summary, self.device = ring, counter, summary, device
         self.total = own.clone()
+        self.neighbours: tuple[torch.Tensor, torch.Tensor] | None = None  # the headers of hop 1
         if len(ring.peers) != ring.size:  # a sub-ring that knows only its neighbours: N - 1 forwarding hops
-            self.rest, self.predecessor_agrees, self.successor_agrees = [1] * (ring.size - 1), False, False
+            self.rest = [1] * (ring.size - 1)
             return
         # Hop 1 both ways (the successor's header too: a link's two ends then know the same), then
         # dissemination hops 2, 4, ...: the maximum ignores the overlaps.
@@ -155,9 +156,16 @@ class OpenHandshake:
             wait_for(send_work, peer, 1)
         torch.maximum(self.total, from_predecessor, out=self.total)
         torch.maximum(self.total, from_successor, out=self.total)
-        identity = own[:4]
-        self.predecessor_agrees = bool(torch.equal(from_predecessor[:4], identity))
-        self.successor_agrees = bool(torch.equal(from_successor[:4], identity))
+        self.own, self.neighbours = own, (from_predecessor, from_successor)
+
+    # Read only when asked (on an accelerator, reading them waits for the device).
+    @property
+    def predecessor_agrees(self) -> bool:
+        return self.neighbours is not None and bool(torch.equal(self.neighbours[0][:4], self.own[:4]))
+
+    @property
+    def successor_agrees(self) -> bool:
+        return self.neighbours is not None and bool(torch.equal(self.neighbours[1][:4], self.own[:4]))
 
     def finish(self) -> Agreed:
         """The remaining hops; :class:`SettingsMismatchError` on every rank if the settings
