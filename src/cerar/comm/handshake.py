@@ -137,11 +137,7 @@ class OpenHandshake:
         device: torch.device | None,
     ) -> None:
         self.ring, self.counter, self.summary, self.device = ring, counter, summary, device
-        self.total = own.clone()
-        self.neighbours: tuple[torch.Tensor, torch.Tensor] | None = None  # the headers of hop 1
-        if len(ring.peers) != ring.size:  # a sub-ring that knows only its neighbours: N - 1 forwarding hops
-            self.rest = [1] * (ring.size - 1)
-            return
+        self.own, self.total = own, own.clone()
         # Hop 1 both ways (the successor's header too: a link's two ends then know the same), then
         # dissemination hops 2, 4, ...: the maximum ignores the overlaps.
         self.rest = dissemination_distances(ring.size)[1:]
@@ -156,16 +152,16 @@ class OpenHandshake:
             wait_for(send_work, peer, 1)
         torch.maximum(self.total, from_predecessor, out=self.total)
         torch.maximum(self.total, from_successor, out=self.total)
-        self.own, self.neighbours = own, (from_predecessor, from_successor)
+        self.neighbours = (from_predecessor, from_successor)  # the headers of hop 1
 
     # Read only when asked (on an accelerator, reading them waits for the device).
     @property
     def predecessor_agrees(self) -> bool:
-        return self.neighbours is not None and bool(torch.equal(self.neighbours[0][:4], self.own[:4]))
+        return bool(torch.equal(self.neighbours[0][:4], self.own[:4]))
 
     @property
     def successor_agrees(self) -> bool:
-        return self.neighbours is not None and bool(torch.equal(self.neighbours[1][:4], self.own[:4]))
+        return bool(torch.equal(self.neighbours[1][:4], self.own[:4]))
 
     def finish(self) -> Agreed:
         """The remaining hops; :class:`SettingsMismatchError` on every rank if the settings

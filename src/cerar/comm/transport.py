@@ -85,7 +85,7 @@ class Ring:
     size: int
     send_to: int  # global rank of rank + 1
     recv_from: int  # global rank of rank - 1
-    peers: tuple[int, ...] = ()  # global rank of every position (empty: only the neighbours are known)
+    peers: tuple[int, ...] = ()  # global rank of every position (the handshake needs them)
 
     @functools.cached_property
     def endpoints(self) -> tuple[dist.ProcessGroup, int, int]:
