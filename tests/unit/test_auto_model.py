@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -123,15 +124,17 @@ def plan_of(engine: AutoEngine) -> dict[int, tuple[str, str]]:
     return {s: (engine.candidates[c.candidate].name, c.reason) for s, c in engine.plan.items()}
 
 
-CONFIG = AutoConfig(warmup=1, trials=3, verify_every=2, redecide_every=None)
+# No trial cut short here (the tests of the cut are below): every candidate runs its trials.
+CONFIG = AutoConfig(warmup=1, trials=3, verify_every=2, redecide_every=None, prune_tol=None)
 DECIDED = CONFIG.calibration_steps(len(CANDIDATES))  # 13: the first step by the plan
+ORDER = [3, 1, 2, 0]  # the trials by bytes sent: 16-bit CERAR, the float16 ring, CERAR, exact
 
 
 def test_engine_schedule_and_decision() -> None:
     engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
     drive(engine, range(DECIDED + 1), lambda step, c, v: true_time(c, v))
-    assert [engine.phase(s)[:2] for s in (0, 1, 4, 12, 13)] == [
-        ("warmup", 0), ("trial", 0), ("trial", 1), ("trial", 3), ("run", 0)
+    assert [engine.phase(s)[:2] for s in (0, 1, 4, 7, 10, 12, 13)] == [
+        ("warmup", 0), ("trial", 3), ("trial", 1), ("trial", 2), ("trial", 0), ("trial", 0), ("run", 0)
     ]  # fmt: skip
     # The small bucket is latency-bound (the float16 ring, torch's few rounds), the large one
     # bandwidth-bound (16-bit CERAR, the fewest bytes).
@@ -194,7 +197,7 @@ def test_engine_contests_a_plan_with_the_fastest_trial_steps(challenger_holds: b
 
 
 def test_engine_size_change_and_hysteresis() -> None:
-    config = AutoConfig(warmup=1, trials=3, verify_every=50, redecide_every=2, hysteresis=0.5)
+    config = AutoConfig(warmup=1, trials=3, verify_every=50, redecide_every=2, hysteresis=0.5, prune_tol=None)
     engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
     drive(engine, range(DECIDED + 1), lambda step, c, v: true_time(c, v))
     assert engine.choose(DECIDED, 1, 2**20, 2**22).reason == "size"  # a rebuilt bucket: exact for now
@@ -258,3 +261,81 @@ def test_engines_that_measured_differently_agree() -> None:
     assert plans[0] == plans[1] is not None
     # The agreed numbers are the slowest rank's: both the 16-bit ring and 16-bit CERAR slowed.
     assert plans[0] == {0: ("exact", "fastest"), 1: ("cerar", "fastest")}
+
+
+def _slow_steps(factors: dict[str, float]) -> Timing:
+    """The scripted costs, with whole candidates slowed by ``factors`` (a method whose steps are
+    slow: exact on a slow link, float32 CERAR's coding)."""
+    return lambda step, c, v: true_time(c, v) * factors.get(c.name, 1.0)
+
+
+@pytest.mark.parametrize("steps", [True, False])
+def test_engine_cuts_the_trial_of_a_hopeless_candidate(steps: bool) -> None:
+    # Exact and float32 CERAR take three times the best step here: each is cut after its first
+    # trial step, so the decision comes at step 1 + 3 + 3 + 1 + 1 = 9, not 13. The float16 ring,
+    # 20% slower than 16-bit CERAR, stays within prune_tol (25%) and runs its three steps.
+    config = replace(CONFIG, prune_tol=0.25)
+    engine = AutoEngine(CANDIDATES, config, Identity(), steps=steps)  # type: ignore[arg-type]
+    timing = _slow_steps({"exact": 3.0, "cerar": 3.0})
+    drive(engine, range(10), timing)
+    cut = [(e["step"], e["candidate"], e["trial_step"]) for e in engine.history if e["event"] == "prune"]
+    assert cut == [(7, "cerar c=8", 0), (8, "exact", 0)]
+    assert engine.pruned == {0, 2} and [engine.phase(s)[:2] for s in (7, 8, 9)] == [
+        ("trial", 2), ("trial", 0), ("run", 0)
+    ]  # fmt: skip
+    assert [e["event"] for e in engine.history] == ["calibrate", "prune", "prune", "decide"]
+    # A cut candidate is no choice; exact, cut too, stays the baseline a slot goes back to.
+    assert {name for name, _ in plan_of(engine).values()} <= {"fp16", "cerar-fp16"}
+    assert all(choice.baseline in (0, 1) for choice in engine.plan.values())
+    # With the cut off, the same timings run all 13 calibration steps to the same plan.
+    full = AutoEngine(CANDIDATES, CONFIG, Identity(), steps=steps)  # type: ignore[arg-type]
+    drive(full, range(DECIDED + 1), timing)
+    assert full.pruned == set() and plan_of(full) == plan_of(engine)
+
+
+def test_engine_never_cuts_the_first_candidate_or_a_trials_last_step() -> None:
+    # 16-bit CERAR, tried first, has nothing to be compared with; the float16 ring slows only at
+    # its last trial step, which ends the trial anyway.
+    config = replace(CONFIG, prune_tol=0.25)
+    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+
+    def timing(step: int, c: Candidate, v: int) -> float:
+        return true_time(c, v) * (10.0 if c.name == "cerar-fp16" or (c.name == "fp16" and step == 6) else 1.0)
+
+    drive(engine, range(DECIDED + 1), timing)
+    assert engine.pruned == set() and engine.phase(DECIDED)[0] == "run"
+
+
+def test_engines_that_measured_differently_cut_alike() -> None:
+    # Only rank 0 sees exact's steps slow: alone, rank 1 would try exact in full; agreed (the
+    # slowest rank's step), both cut it at the same step and decide at the same step.
+    skew = [{"exact": 3.0}, {}]
+    group, engines = PairedGroup(), [None, None]
+    config = replace(CONFIG, prune_tol=0.25)
+
+    def flat(rank: int) -> Timing:  # every method alike, but for the skew
+        return lambda step, c, v: v * 1e-9 * skew[rank].get(c.name, 1.0)
+
+    def rank_main(rank: int) -> None:
+        engine = AutoEngine(CANDIDATES, config, group.member(rank))  # type: ignore[arg-type]
+        drive(engine, range(12), flat(rank))
+        engines[rank] = engine
+
+    alone = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+    drive(alone, range(DECIDED + 1), flat(1))
+    assert alone.pruned == set() and alone.phase(DECIDED - 1)[:2] == ("trial", 0)
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    first, second = engines
+    assert first is not None and second is not None
+    assert first.pruned == second.pruned == {0}
+    assert first.history == second.history and plan_of(first) == plan_of(second)
+    assert [e["step"] for e in first.history if e["event"] == "decide"] == [11]  # 1 + 3 + 3 + 3 + 1
+
+
+def test_prune_tol_is_checked() -> None:
+    with pytest.raises(ValueError, match="prune_tol"):
+        AutoConfig(prune_tol=-0.1)

@@ -3,9 +3,10 @@ error budget, decided from the calls themselves, the same on every rank.
 
 The calls of one size (and dtype, op, budget) on one group form a stream that an
 :class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
-exact, then ``trials`` calls of each candidate (:mod:`cerar.comm.auto_candidates`, collective
-context: ``exact`` is ``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a
-float16 wire, then CERAR with float32 and float16 packets), then the decision, agreed on a side
+exact, then ``trials`` calls of each candidate, fewest bytes first, a hopeless one cut after
+the call that showed it (:mod:`cerar.comm.auto_candidates`, collective context: ``exact`` is
+``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a float16 wire, CERAR
+with float32 and float16 packets), then the decision, agreed on a side
 Gloo group that the first ``method="auto"`` call on the group creates (every rank makes its
 calls in the same order, so every rank creates it there). A call's measured time is its own
 wall time (``async_op=True``: from its start, or the previous completion if later, to its

@@ -8,8 +8,9 @@ The candidates (:mod:`cerar.comm.auto_candidates`): ``exact`` (DDP's default all
 ``fp16`` (torch's ``fp16_compress_hook``), CERAR with float32 and with float16 packets; those
 predicted above ``max_error`` are left out. The schedule, the agreement and the decision are
 :class:`cerar.comm.auto_engine.AutoEngine`'s: exact warm-up steps, whole trial steps of each
-candidate, then per bucket the smallest predicted time (CERAR only by a margin over the best
-exact/16-bit ring), verified online. The measured time of a bucket is its service time: from
+candidate (one whose steps are far slower than an earlier one's is cut short), then per bucket
+the smallest predicted time (CERAR only by a margin over the best exact/16-bit ring), verified
+online. The measured time of a bucket is its service time: from
 its launch, or from the previous bucket's completion on the same transport if later, to its
 completion. The engine's collectives run on a side Gloo group created with the hook's own group
 at the first bucket, never on DDP's group.

@@ -5,9 +5,15 @@ calls of one size) whose slots (DDP's buckets; the collective's one tensor) keep
 Its schedule depends on the step count alone, which every rank shares:
 
 1. ``warmup`` steps: every slot exact (DDP rebuilds its buckets after the first);
-2. ``trials`` steps per candidate, exact first: every slot of the step by that candidate, so
-   that whole steps compare (CERAR's coding competes with backward for the cores); the first
-   step of each trial warms the method up and is not counted;
+2. ``trials`` steps per candidate, the candidates in the order of the bytes they send (fewest
+   first: the slow ones come last, where they can be cut): every slot of the step by that
+   candidate, so that whole steps compare (CERAR's coding competes with backward for the
+   cores); the first step of each trial warms the method up and is not counted. After every
+   trial step the ranks agree its time (the slowest rank's); a candidate whose step took more
+   than ``prune_tol`` longer than the median step of the fastest candidate tried before it is
+   cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
+   calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
+   float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``;
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
    elementwise maximum (the slowest rank's) on a side group, fit the cost model
    (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
@@ -61,6 +67,8 @@ class AutoConfig:
         warmup: exact steps before the trials (at least 1 in DDP is wise: buckets are rebuilt
             after the first pass).
         trials: steps per candidate (the first of each is not counted; at least 2).
+        prune_tol: a trial step this fraction slower than the fastest earlier candidate's median
+            step cuts the candidate's trial short (``None``: every candidate runs ``trials``).
         margin: CERAR must be predicted this fraction faster than the best exact/16-bit ring.
         hysteresis: at a re-decision, a slot changes method only for this fraction of gain.
         verify_tol: a CERAR slot measured this fraction slower than predicted goes back.
@@ -73,6 +81,7 @@ class AutoConfig:
 
     warmup: int = 1
     trials: int = 3
+    prune_tol: float | None = 0.25
     margin: float = 0.03
     hysteresis: float = 0.05
     verify_tol: float = 0.25
@@ -85,6 +94,7 @@ class AutoConfig:
     def __post_init__(self) -> None:
         check_int("warmup", self.warmup, minimum=0)
         check_int("trials", self.trials, minimum=2)
+        check_float("prune_tol", self.prune_tol, nonnegative=True, optional=True)
         for name in ("margin", "hysteresis", "verify_tol", "step_tol"):
             check_float(name, getattr(self, name), nonnegative=True, maximum=1.0)
         check_int("verify_every", self.verify_every, minimum=1)
@@ -96,7 +106,8 @@ class AutoConfig:
         object.__setattr__(self, "pinned", PinnedTable.load(self.pinned))
 
     def calibration_steps(self, candidates: int) -> int:
-        """Steps from a calibration's start to its decision: warm-up plus the trials."""
+        """Steps from a calibration's start to its decision, warm-up plus the trials, when no
+        candidate is cut (the most a calibration takes)."""
         return self.warmup + candidates * self.trials
 
 
@@ -141,8 +152,8 @@ class AutoEngine:
     """
 
     __slots__ = (
-        "_began", "_contest", "_lock", "_previous", "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps",
-        "_uniform",
+        "_agreed_costs", "_began", "_contest", "_costs", "_lengths", "_lock", "_order", "_previous", "_slot_times",
+        "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform",
         "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
         "plan", "start", "steps",
     )  # fmt: skip
@@ -169,6 +180,12 @@ class AutoEngine:
         self._window: dict[tuple[int, int, int], float] = {}  # (window, step, slot) -> seconds
         self._window_steps: dict[tuple[int, int], float] = {}
         self._slot_times: dict[tuple[int, int], float] = {}  # agreed trial medians (candidate, slot)
+        # The trials' order (fewest bytes first), the trial steps of the candidates cut short,
+        # and each trial step's cost (the step's time; for calls, the slots' sum), local and agreed.
+        self._order = sorted(range(len(self.candidates)), key=lambda k: (self.candidates[k].bytes_per_value, k))
+        self._lengths: dict[int, int] = {}
+        self._costs: dict[tuple[int, int], float] = {}
+        self._agreed_costs: dict[tuple[int, int], float] = {}
         self._uniform: list[float] = []  # agreed median trial step per candidate
         # The window contest of a plan against the method of the fastest trial steps: (the
         # challenger, None) before the plan's window ends, then (the plan, its median step).
@@ -179,23 +196,32 @@ class AutoEngine:
         """``("warmup", 0, i)``, ``("trial", candidate, i)``, ``("run", window, i)`` or
         ``("old", -1, -1)`` (before the current calibration)."""
         offset = step - (self.start if self.start is not None else step)
-        warmup, trials = self.config.warmup, self.config.trials
         if offset < 0:
             return ("old", -1, -1)
-        if offset < warmup:
+        if offset < self.config.warmup:
             return ("warmup", 0, offset)
-        decision = self.config.calibration_steps(len(self.candidates))
-        if offset < decision:
-            k, i = divmod(offset - warmup, trials)
-            return ("trial", k, i)
-        w, i = divmod(offset - decision, self.config.verify_every)
+        offset -= self.config.warmup
+        for k in self._order:  # a step not yet run counts every candidate's trial in full
+            length = self._lengths.get(k, self.config.trials)
+            if offset < length:
+                return ("trial", k, offset)
+            offset -= length
+        w, i = divmod(offset, self.config.verify_every)
         return ("run", w, i)
+
+    @property
+    def pruned(self) -> set[int]:
+        """The candidates whose trial this calibration cut short."""
+        return {k for k, length in self._lengths.items() if length < self.config.trials}
 
     def agreement_due(self, step: int) -> bool:
         """Whether :meth:`begin_step` of ``step`` may agree with the other ranks (a decision or a
         verification): a caller with calls in flight lets them finish first."""
         kind, _, offset = self.phase(step)
-        return kind == "run" and offset == 0
+        return (kind == "run" and offset == 0) or self._prune_due(step)
+
+    def _prune_due(self, step: int) -> bool:
+        return self.config.prune_tol is not None and self.start is not None and self.phase(step - 1)[0] == "trial"
 
     def begin_step(self, step: int, now: float = 0.0) -> None:
         """Step ``step`` starts (at ``now``, ``time.perf_counter()``): the previous step's
@@ -209,6 +235,8 @@ class AutoEngine:
             self._restart(step, "first")
         elif self._stale:
             self._restart(step, "size")
+        if self._prune_due(step):
+            self._prune(step)
         kind, index, offset = self.phase(step)
         every = self.config.redecide_every
         if kind == "run" and every is not None and index * self.config.verify_every + offset >= every:
@@ -222,7 +250,7 @@ class AutoEngine:
         kind, index, offset = self.phase(step)
         if kind in ("warmup", "old"):
             return Choice(0, "warmup")
-        if kind == "trial" and index == 0 and offset == 0:
+        if kind == "trial" and (index, offset) == (self._order[0], 0):
             self.layout[slot] = (numel, nbytes)
         if self.layout.get(slot) != (numel, nbytes) or (kind == "run" and slot not in self.plan):
             self._stale = True
@@ -236,6 +264,8 @@ class AutoEngine:
         """``slot`` of ``step`` took ``seconds`` by ``candidate`` (``inf``: its call failed)."""
         kind, index, offset = self.phase(step)
         with self._lock:
+            if kind == "trial" and candidate == index and not self.steps:
+                self._costs[(index, offset)] = self._costs.get((index, offset), 0.0) + seconds
             if kind == "trial" and offset >= 1 and candidate == index:
                 self._trial[(index, offset - 1, slot)] = seconds
             elif kind == "run" and slot in self.plan and self.plan[slot].candidate == candidate:
@@ -244,6 +274,8 @@ class AutoEngine:
     # ---------------------------------------------------------------------------------------
     def _note_step(self, step: int, seconds: float) -> None:
         kind, index, offset = self.phase(step)
+        if kind == "trial":
+            self._costs[(index, offset)] = seconds
         if kind == "trial" and offset >= 1:
             self._trial_steps[(index, offset - 1)] = seconds
         elif kind == "run":
@@ -253,9 +285,35 @@ class AutoEngine:
         with self._lock:
             self._previous = {s: (self.layout[s][0], c.candidate) for s, c in self.plan.items() if s in self.layout}
             self.start, self.layout, self._stale, self._contest = step, {}, False, None
-            for table in (self._trial, self._trial_steps, self._window, self._window_steps):
+            for table in (
+                self._trial, self._trial_steps, self._window, self._window_steps, self._lengths, self._costs,
+                self._agreed_costs,
+            ):  # fmt: skip
                 table.clear()
         self.history.append({"step": step, "event": "calibrate", "reason": reason})
+
+    def _prune(self, step: int) -> None:
+        """The trial step before ``step`` is over: agree its cost (the slowest rank's) and cut
+        its candidate's trial if it was ``prune_tol`` slower than the fastest earlier
+        candidate's median step. Every rank decides from the same agreed numbers."""
+        _, k, i = self.phase(step - 1)
+        with self._lock:
+            local = self._costs.get((k, i), MISSING)
+        cost = self.agreement.max([local])[0]
+        self._agreed_costs[(k, i)] = cost
+        if i == self._lengths.get(k, self.config.trials) - 1 or cost < 0.0:
+            return  # its trial ends anyway, or nothing was measured
+        earlier = self._order[: self._order.index(k)]
+        medians = [_median([self._agreed_costs.get((j, n), MISSING) for n in range(1, self.config.trials)], None)
+                   for j in earlier]  # fmt: skip
+        known = [m for m in medians if m is not None and math.isfinite(m)]
+        assert self.config.prune_tol is not None
+        if known and cost > (1.0 + self.config.prune_tol) * min(known):
+            self._lengths[k] = i + 1
+            self.history.append(
+                {"step": step - 1, "event": "prune", "candidate": self.candidates[k].label,
+                 "trial_step": i, "step_s": _finite(cost), "best_s": min(known)}
+            )  # fmt: skip
 
     def _decide(self, step: int) -> None:
         slots, counted = sorted(self.layout), self.config.trials - 1
@@ -294,7 +352,7 @@ class AutoEngine:
         usable = set(range(len(self._uniform)))
         for s in slots:
             allowed, pinned = self.config.pinned.allowed(self.candidates, self.layout[s][1])
-            usable &= set() if pinned else set(allowed)
+            usable &= set() if pinned else set(allowed) - self.pruned
         known = sorted(k for k in usable if math.isfinite(self._uniform[k]))
         methods = {self.plan[s].candidate for s in slots}
         if not known or not methods:
@@ -307,6 +365,9 @@ class AutoEngine:
         numel, nbytes = self.layout[slot]
         predicted = [self._predict(k, slot) for k in range(len(self.candidates))]
         allowed, pinned = self.config.pinned.allowed(self.candidates, nbytes)
+        if not pinned:  # a cut candidate is no choice, a cut baseline still the reference
+            pruned = self.pruned
+            allowed = [k for k in allowed if k not in pruned or self.candidates[k].baseline] or allowed
         previous = self._previous.get(slot)
         choice = decide_slot(
             self.candidates,
