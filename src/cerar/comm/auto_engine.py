@@ -2,7 +2,7 @@
 
 An :class:`AutoEngine` drives one stream of steps (DDP backward passes; for the collective, the
 calls of one size) whose slots (DDP's buckets; the collective's one tensor) keep their sizes.
-Its schedule depends on the step count alone, which every rank shares:
+Its schedule depends on the step count and on agreed numbers alone, which every rank shares:
 
 1. ``warmup`` steps: every slot exact (DDP rebuilds its buckets after the first);
 2. ``trials`` steps per candidate, the candidates in the order of the bytes they send (fewest
