@@ -153,7 +153,7 @@ class AutoEngine:
 
     __slots__ = (
         "_agreed_costs", "_began", "_contest", "_costs", "_lengths", "_lock", "_order", "_previous", "_slot_times",
-        "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform",
+        "_stale", "_steps_checked", "_trial", "_uniform",
         "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
         "plan", "start", "steps",
     )  # fmt: skip
@@ -176,7 +176,6 @@ class AutoEngine:
         self._steps_checked = False
         self._began: tuple[int, float] | None = None  # the last step begun and when
         self._trial: dict[tuple[int, int, int], float] = {}  # (candidate, trial, slot) -> seconds
-        self._trial_steps: dict[tuple[int, int], float] = {}  # (candidate, trial) -> step seconds
         self._window: dict[tuple[int, int, int], float] = {}  # (window, step, slot) -> seconds
         self._window_steps: dict[tuple[int, int], float] = {}
         self._slot_times: dict[tuple[int, int], float] = {}  # agreed trial medians (candidate, slot)
@@ -276,8 +275,6 @@ class AutoEngine:
         kind, index, offset = self.phase(step)
         if kind == "trial":
             self._costs[(index, offset)] = seconds
-        if kind == "trial" and offset >= 1:
-            self._trial_steps[(index, offset - 1)] = seconds
         elif kind == "run":
             self._window_steps[(index, offset)] = seconds
 
@@ -286,7 +283,7 @@ class AutoEngine:
             self._previous = {s: (self.layout[s][0], c.candidate) for s, c in self.plan.items() if s in self.layout}
             self.start, self.layout, self._stale, self._contest = step, {}, False, None
             for table in (
-                self._trial, self._trial_steps, self._window, self._window_steps, self._lengths, self._costs,
+                self._trial, self._window, self._window_steps, self._lengths, self._costs,
                 self._agreed_costs,
             ):  # fmt: skip
                 table.clear()
@@ -321,7 +318,7 @@ class AutoEngine:
         step_keys = [(k, j) for k in range(len(self.candidates)) for j in range(counted)] if self.steps else []
         with self._lock:
             local = [self._trial.get(key, MISSING) for key in keys]
-            local += [self._trial_steps.get(key, MISSING) for key in step_keys]
+            local += [self._costs.get((k, j + 1), MISSING) for k, j in step_keys]  # counted: from the 2nd
         agreed = self.agreement.max(local)
         at = dict(zip(keys, agreed, strict=False))
         self._slot_times = {
