@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from cerar.harness.launch import launch
+from cerar.harness.launch import LaunchError, launch
 from cerar.harness.progress import PREFIX, Progress, format_progress, parse_progress
 
 PROGRESS_RANK = textwrap.dedent(
@@ -44,6 +46,43 @@ def test_rank_process_and_progress_lines() -> None:
         lines = [line for line in r.stdout.splitlines() if not line.startswith("@@cerar-progress")]
         # One thread; the group is gone after the block, and the async call finished before.
         assert lines == [f"me {rank} 2 1", "left False True 3.0"]
+
+
+EXIT_RANK = textwrap.dedent(
+    """
+    import sys, torch, cerar
+    from cerar.harness.rank import exit_rank, rank_process
+    def main():
+        with rank_process(timeout_s=60, threads=1) as me:
+            x = torch.ones(1000)
+            cerar.all_reduce(x, code=cerar.codes.exact(me.world_size))
+        print("sum", float(x[0]))
+        print("to stderr", file=sys.stderr)
+        return int(sys.argv[1]) if me.rank == 1 else 0
+    exit_rank(main)
+    print("never")
+    """
+)
+
+
+@pytest.mark.multirank
+def test_exit_rank_flushes_the_output_and_keeps_the_return_code() -> None:
+    result = launch([sys.executable, "-c", EXIT_RANK, "0"], 2, timeout_s=120)
+    for r in result.ranks:
+        assert r.returncode == 0
+        assert r.stdout.splitlines() == ["sum 2.0"]
+        assert "to stderr" in r.stderr
+    with pytest.raises(LaunchError, match="rank 1 exited with 3"):
+        launch([sys.executable, "-c", EXIT_RANK, "3"], 2, timeout_s=120)
+
+
+def test_exit_rank_flushes_buffered_output() -> None:
+    # The launcher makes ranks' output unbuffered; without it, os._exit would drop what a block
+    # buffer holds unless exit_rank flushes it first.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    script = "from cerar.harness.rank import exit_rank\nexit_rank(lambda: print('kept') or 4)\nprint('never')"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (4, "kept\n")
 
 
 def test_progress_lines_round_trip_and_reject_others() -> None:

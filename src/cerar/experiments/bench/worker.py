@@ -30,7 +30,7 @@ from typing import Any
 
 from cerar._files import atomic_write_text
 from cerar.harness.progress import print_progress
-from cerar.harness.rank import rank_process
+from cerar.harness.rank import exit_rank, rank_process
 
 #: The kind of this worker's progress lines (see :mod:`cerar.harness.progress`).
 PROGRESS_KIND = "bench"
@@ -226,4 +226,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main)

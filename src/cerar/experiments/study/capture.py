@@ -400,4 +400,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from cerar.harness.rank import exit_rank
+
+    exit_rank(main)

@@ -28,7 +28,7 @@ from cerar._files import atomic_write_text
 from cerar.experiments.train.config import TrainConfig, add_config_arguments, config_from_args
 from cerar.experiments.train.loop import train
 from cerar.harness.progress import print_progress
-from cerar.harness.rank import rank_process
+from cerar.harness.rank import exit_rank, rank_process
 
 #: The kind of this worker's progress lines (see :mod:`cerar.harness.progress`).
 PROGRESS_KIND = "train"
@@ -97,4 +97,4 @@ def _progress(kind: str | None, rank: int, label: str) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main)
