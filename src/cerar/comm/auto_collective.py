@@ -3,8 +3,9 @@ error budget, decided from the calls themselves, the same on every rank.
 
 The calls of one size (and dtype, op, budget) on one group form a stream that an
 :class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
-exact, then ``trials`` calls of each candidate, fewest bytes first, a hopeless one cut after
-the call that showed it (:mod:`cerar.comm.auto_candidates`, collective context: ``exact`` is
+exact, then ``trials`` calls of each candidate (six by default, :data:`COLLECTIVE_CONFIG`),
+fewest bytes first, a hopeless one cut after the first counted call that showed it
+(:mod:`cerar.comm.auto_candidates`, collective context: ``exact`` is
 ``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a float16 wire, CERAR
 with float32 and float16 packets), then the decision, agreed on a side
 Gloo group that the first ``method="auto"`` call on the group creates (every rank makes its
@@ -40,9 +41,16 @@ from cerar.comm.policies import NONFINITE_POLICIES
 from cerar.comm.stats import CommStats
 from cerar.comm.worker_thread import COMM
 
-__all__ = ["AutoWork", "auto_all_reduce", "auto_status"]
+__all__ = ["COLLECTIVE_CONFIG", "AutoWork", "auto_all_reduce", "auto_status"]
 
 _PACKETS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+#: The collective's default knobs: ``AutoConfig()`` but for five counted trial calls per
+#: candidate, not two. One call's time scatters far more than a DDP step's (a step sums many
+#: buckets): at 1 MB on a slow link the calls of one method range over 2x and more, and a median
+#: of two picked the slower of two methods 20% apart in about half of the runs. Calls of a
+#: size cost far less than steps, and a hopeless candidate is still cut at its first counted call.
+COLLECTIVE_CONFIG = AutoConfig(trials=6)
 
 
 class AutoWork:
@@ -91,7 +99,7 @@ def auto_all_reduce(
 ) -> AutoWork | None:
     """Sum (or average) ``tensor`` over ``group`` in place by the method auto chooses for its
     size (see the module doc); ``max_error`` is the error budget, ``config`` the schedule and
-    knobs (default ``AutoConfig()``). Returns None, an :class:`AutoWork` with ``async_op``, and
+    knobs (default :data:`COLLECTIVE_CONFIG`). Returns None, an :class:`AutoWork` with ``async_op``, and
     None on ranks outside ``group``."""
     check_tensor(tensor)
     reduce_op = check_op(op)
@@ -100,7 +108,7 @@ def auto_all_reduce(
     budget = check_max_error(max_error)
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"Argument 'nonfinite' must be one of {NONFINITE_POLICIES}, not {nonfinite!r}.")
-    config = config if config is not None else AutoConfig()
+    config = config if config is not None else COLLECTIVE_CONFIG
     if not isinstance(config, AutoConfig):
         raise TypeError(f"Argument 'config' must be a cerar.ddp.AutoConfig or None, not {type(config).__name__}.")
     if not dist.is_available() or not dist.is_initialized():

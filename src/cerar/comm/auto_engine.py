@@ -13,7 +13,9 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    than ``prune_tol`` longer than the median step of the fastest candidate tried before it is
    cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
    calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
-   float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``;
+   float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. A call's time
+   is far noisier than a step's (which sums many buckets): calls are cut from their first
+   counted call on, never by the uncounted one;
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
    elementwise maximum (the slowest rank's) on a side group, fit the cost model
    (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
@@ -226,8 +228,8 @@ class AutoEngine:
         """Step ``step`` starts (at ``now``, ``time.perf_counter()``): the previous step's
         duration is noted, and at the schedule's points the ranks agree and decide (a collective
         on the side group: every rank calls this at the same step)."""
-        with self._lock:
-            if self._began is not None and self._began[0] == step - 1:
+        with self._lock:  # calls (``steps=False``) are timed by measured() alone
+            if self.steps and self._began is not None and self._began[0] == step - 1:
                 self._note_step(step - 1, now - self._began[1])
             self._began = (step, now)
         if self.start is None:
@@ -298,8 +300,8 @@ class AutoEngine:
             local = self._costs.get((k, i), MISSING)
         cost = self.agreement.max([local])[0]
         self._agreed_costs[(k, i)] = cost
-        if i == self._lengths.get(k, self.config.trials) - 1 or cost < 0.0:
-            return  # its trial ends anyway, or nothing was measured
+        if i == self._lengths.get(k, self.config.trials) - 1 or cost < 0.0 or (i == 0 and not self.steps):
+            return  # its trial ends anyway, nothing was measured, or one uncounted call (too noisy)
         earlier = self._order[: self._order.index(k)]
         medians = [_median([self._agreed_costs.get((j, n), MISSING) for n in range(1, self.config.trials)], None)
                    for j in earlier]  # fmt: skip
