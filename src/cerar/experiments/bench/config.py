@@ -33,6 +33,10 @@ DEFAULT_METHODS = ("builtin", "ring-fp16", "ring-bf16", "cerar", "cerar-fp16", "
 NODE_METHODS = ("builtin", "ring", "cerar", "hier-ring", "hier-cerar")  # the default with --ranks-per-node > 1
 MiB = 1 << 20
 DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+#: From this size up a case runs ``iters`` timed iterations (:meth:`BenchConfig.iterations_for`).
+FULL_ITERS_BYTES = 4 * MiB
+#: A smaller size runs at most this many times ``iters``.
+MAX_ITERS_FACTOR = 6
 QUICK_SIZES = (64 << 10, 256 << 10)
 
 
@@ -125,7 +129,10 @@ class BenchConfig:
     rdzv: str = field(default="c10d", metadata=flag("torchrun's rendezvous at node 0", choices=RENDEZVOUS))
     rate: str = field(default=DEFAULT_RATE, metadata=flag("slow: per-rank (with nodes: per-node) link rate"))
     delay: str = field(default="0ms", metadata=flag("slow: added latency per link (needs netem)"))
-    iters: int = field(default=5, metadata=flag("timed iterations", default_text="5; --quick 2"))
+    iters: int = field(
+        default=5,
+        metadata=flag("timed iterations from 4 MB; smaller sizes up to 6x more", default_text="5; --quick 2"),
+    )
     warmup: int = field(default=1, metadata=flag("warm-up iterations"))
     seed: int = field(default=0, metadata=flag("seed of the inputs"))
     auto_max_error: float = field(default=MAX_ERROR, metadata=flag("auto: the error budget (max_error)"))
@@ -186,6 +193,14 @@ class BenchConfig:
         object.__setattr__(self, "sizes_bytes", tuple(sorted(set(self.sizes_bytes))))
         for name in ("constructions", "methods", "regimes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def iterations_for(self, size_bytes: int) -> int:
+        """Timed iterations at ``size_bytes``: ``iters`` from :data:`FULL_ITERS_BYTES` up, and
+        below it proportionally more, at most :data:`MAX_ITERS_FACTOR` x ``iters``. A small
+        call's time scatters far more (at 1 MB on a slow link over 2x between calls of one
+        method) and costs little, so its median needs more calls to compare methods 5% apart."""
+        scaled = -(-self.iters * FULL_ITERS_BYTES // size_bytes)
+        return max(self.iters, min(MAX_ITERS_FACTOR * self.iters, scaled))
 
 
 #: What ``--quick`` changes (a smoke test); flags given on the command line still win.

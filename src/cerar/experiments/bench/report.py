@@ -252,5 +252,5 @@ def _title(doc: dict[str, Any]) -> str:
     s = doc.get("settings", {})
     return (
         f"N = {doc['world_size']} ranks on {m.get('cpu_model')} ({m.get('usable_cpus')} cpus), "
-        f"torch {doc.get('versions', {}).get('torch')}, {s.get('iters')} iters, {doc.get('created', '')}"
+        f"torch {doc.get('versions', {}).get('torch')}, {s.get('iters')} iters from 4 MB, {doc.get('created', '')}"
     )

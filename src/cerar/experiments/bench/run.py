@@ -89,7 +89,9 @@ def build_cases(config: BenchConfig) -> list[dict[str, Any]]:
                         "code_params": dict(code.params),
                     }
                 )
-    return [{**s, "size_bytes": size} for size in config.sizes_bytes for s in series]
+    return [
+        {**s, "size_bytes": size, "iters": config.iterations_for(size)} for size in config.sizes_bytes for s in series
+    ]
 
 
 def estimate_timeout_s(cases: Sequence[dict[str, Any]], config: BenchConfig, regime: str) -> float:
@@ -97,10 +99,10 @@ def estimate_timeout_s(cases: Sequence[dict[str, Any]], config: BenchConfig, reg
     if config.timeout_s is not None:
         return config.timeout_s
     bandwidth = netem.rate_bytes_per_s(config.rate) if regime == "slow" else 25e6
-    per_case = config.warmup + config.iters + 1
     total = 120.0
     for case in cases:
-        calls = per_case + (24 if get_method(case["method"]).calibrating is not None else 0)  # auto's trials
+        calls = config.warmup + case["iters"] + 1
+        calls += 25 if get_method(case["method"]).calibrating is not None else 0  # auto's trials
         total += calls * (0.5 + 4.0 * 2.0 * case["size_bytes"] / bandwidth)
     return total
 
@@ -115,7 +117,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True, log: Log | None = N
     config, regimes, notes = _runnable(config, say)
     cases = build_cases(config)
     load_before = _load_average()
-    ticks = (config.warmup + config.iters + 1) * len(cases)
+    ticks = sum(config.warmup + case["iters"] + 1 for case in cases)
     bar = _progress_bar(ticks * len(regimes), progress)
     records: list[dict[str, Any]] = []
     regime_info: dict[str, Any] = {}

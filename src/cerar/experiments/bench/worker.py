@@ -14,8 +14,8 @@ With emulated nodes (``ranks_per_node`` G > 1) it also measures, per iteration, 
 the busiest node sent to other nodes at cerar's transport and through its one link.
 
 Config keys: ``world_size``, ``ranks_per_node`` (default 1), ``seed``, ``warmup``, ``iters``, ``out``
-and ``cases``, a list of ``{"method", "size_bytes", "components", "construction", "code"}`` (``code`` a
-:meth:`cerar.Code.to_dict`, or null).
+and ``cases``, a list of ``{"method", "size_bytes", "iters", "components", "construction", "code"}`` (``code``
+a :meth:`cerar.Code.to_dict`, or null; ``iters``, the case's timed iterations, defaults to the config's).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, p
 
     method = get_method(case["method"])
     code = Code.from_dict(case["code"]) if case.get("code") else None
-    warmup, iters = int(config["warmup"]), int(config["iters"])
+    warmup, iters = int(config["warmup"]), int(case.get("iters", config["iters"]))
     label = f"{method.name}" + (f" c={case['components']}" if method.coded else "") + f" {case['size_bytes'] >> 10}K"
     buf = torch.empty_like(x)
     times, encode, decode, handshake, sent, wire, node_wire = [], [], [], [], [], [], []
@@ -206,8 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank, world_size = me.rank, me.world_size
         config["copy_bandwidth"] = _slowest_copy_bandwidth()
         cases = config["cases"]
-        per_case = int(config["warmup"]) + int(config["iters"]) + 1
-        progress = _Progress(per_case * len(cases), enabled=rank == 0)
+        ticks = sum(int(config["warmup"]) + int(case.get("iters", config["iters"])) + 1 for case in cases)
+        progress = _Progress(ticks, enabled=rank == 0)
         seed = int(config["seed"])
         records: list[dict] = []
         current_size, x, exact = None, None, None
