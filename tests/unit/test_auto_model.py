@@ -273,28 +273,44 @@ def _slow_steps(factors: dict[str, float]) -> Timing:
 @pytest.mark.parametrize("steps", [True, False])
 def test_engine_cuts_the_trial_of_a_hopeless_candidate(steps: bool) -> None:
     # Exact and float32 CERAR take three times the best step here: with steps each is cut after
-    # its first trial step, so the decision comes at step 1 + 3 + 3 + 1 + 1 = 9, not 13; calls
-    # (noisier) are cut at their first counted call, so at 1 + 3 + 3 + 2 + 2 = 11. The float16
-    # ring, 20% slower than 16-bit CERAR, stays within prune_tol (25%) and runs its three steps.
-    config = replace(CONFIG, prune_tol=0.25)
+    # its first trial step, so the decision comes at step 1 + 3 + 3 + 1 + 1 = 9, not 13. Calls
+    # (noisier; six trials each, as the collective's default) are cut by the faster of two
+    # counted calls, at 1 + 6 + 6 + 3 + 3 = 19, not 25. The float16 ring, 20% slower than
+    # 16-bit CERAR, stays within prune_tol (25%) and runs its whole trial.
+    config = replace(CONFIG, prune_tol=0.25, trials=3 if steps else 6)
     engine = AutoEngine(CANDIDATES, config, Identity(), steps=steps)  # type: ignore[arg-type]
     timing = _slow_steps({"exact": 3.0, "cerar": 3.0})
-    cut_at = 0 if steps else 1
-    decided = 9 + 2 * cut_at
+    trials, cut_at = config.trials, 0 if steps else 2
+    cerar_at = 1 + 2 * trials  # the first step of float32 CERAR's trial, the third candidate
+    decided = cerar_at + 2 * (cut_at + 1)
     drive(engine, range(decided + 1), timing)
     cut = [(e["step"], e["candidate"], e["trial_step"]) for e in engine.history if e["event"] == "prune"]
-    assert cut == [(7 + cut_at, "cerar c=8", cut_at), (8 + 2 * cut_at, "exact", cut_at)]
-    assert engine.pruned == {0, 2} and [engine.phase(s)[:2] for s in (7, decided - 1, decided)] == [
+    assert cut == [(cerar_at + cut_at, "cerar c=8", cut_at), (cerar_at + 2 * cut_at + 1, "exact", cut_at)]
+    assert engine.pruned == {0, 2} and [engine.phase(s)[:2] for s in (cerar_at, decided - 1, decided)] == [
         ("trial", 2), ("trial", 0), ("run", 0)
     ]  # fmt: skip
     assert [e["event"] for e in engine.history] == ["calibrate", "prune", "prune", "decide"]
     # A cut candidate is no choice; exact, cut too, stays the baseline a slot goes back to.
     assert {name for name, _ in plan_of(engine).values()} <= {"fp16", "cerar-fp16"}
     assert all(choice.baseline in (0, 1) for choice in engine.plan.values())
-    # With the cut off, the same timings run all 13 calibration steps to the same plan.
-    full = AutoEngine(CANDIDATES, CONFIG, Identity(), steps=steps)  # type: ignore[arg-type]
-    drive(full, range(DECIDED + 1), timing)
+    # With the cut off, the same timings run every calibration step to the same plan.
+    full = AutoEngine(CANDIDATES, replace(config, prune_tol=None), Identity(), steps=steps)  # type: ignore[arg-type]
+    drive(full, range(config.calibration_steps(len(CANDIDATES)) + 1), timing)
     assert full.pruned == set() and plan_of(full) == plan_of(engine)
+
+
+def test_one_slow_call_does_not_cut_a_close_competitor() -> None:
+    # Calls: the float16 ring is as fast as 16-bit CERAR but for one call three times slower;
+    # judged by the faster of its counted calls, it runs its whole trial (and is chosen).
+    config = replace(CONFIG, prune_tol=0.25, trials=6)
+    engine = AutoEngine(CANDIDATES, config, Identity(), steps=False)  # type: ignore[arg-type]
+    fp16_second = 1 + 6 + 2  # the float16 ring's second counted call
+
+    def timing(step: int, c: Candidate, v: int) -> float:
+        return 1e-3 * (3.0 if step == fp16_second else 1.0) * (0.9 if c.name == "fp16" else 1.0)
+
+    drive(engine, range(config.calibration_steps(len(CANDIDATES)) + 1), timing, slots={0: 1000})
+    assert 1 not in engine.pruned and plan_of(engine) == {0: ("fp16", "fastest")}
 
 
 def test_engine_never_cuts_the_first_candidate_or_a_trials_last_step() -> None:

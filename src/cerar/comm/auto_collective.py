@@ -4,7 +4,7 @@ error budget, decided from the calls themselves, the same on every rank.
 The calls of one size (and dtype, op, budget) on one group form a stream that an
 :class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
 exact, then ``trials`` calls of each candidate (six by default, :data:`COLLECTIVE_CONFIG`),
-fewest bytes first, a hopeless one cut after the first counted call that showed it
+fewest bytes first, a hopeless one cut once two counted calls showed it
 (:mod:`cerar.comm.auto_candidates`, collective context: ``exact`` is
 ``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a float16 wire, CERAR
 with float32 and float16 packets), then the decision, agreed on a side
@@ -49,7 +49,7 @@ _PACKETS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: candidate, not two. One call's time scatters far more than a DDP step's (a step sums many
 #: buckets): at 1 MB on a slow link the calls of one method range over 2x and more, and a median
 #: of two picked the slower of two methods 20% apart in about half of the runs. Calls of a
-#: size cost far less than steps, and a hopeless candidate is still cut at its first counted call.
+#: size cost far less than steps, and a hopeless candidate is still cut after three calls.
 COLLECTIVE_CONFIG = AutoConfig(trials=6)
 
 

@@ -14,8 +14,8 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
    calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
    float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. A call's time
-   is far noisier than a step's (which sums many buckets): calls are cut from their first
-   counted call on, never by the uncounted one;
+   is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
+   their counted calls, from the second one on (:data:`CALLS_BEFORE_CUT`);
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
    elementwise maximum (the slowest rank's) on a side group, fit the cost model
    (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
@@ -58,6 +58,9 @@ from cerar.comm.auto_pins import PinnedTable
 __all__ = ["AutoConfig", "AutoEngine", "SideGroup", "new_side_group"]
 
 MISSING = -1.0
+#: Counted calls (the collective's trials) before a cut: a candidate is cut when the faster of
+#: them is ``prune_tol`` slower, so that one slow call alone never cuts a close competitor.
+CALLS_BEFORE_CUT = 2
 
 
 @dataclass(frozen=True)
@@ -300,8 +303,11 @@ class AutoEngine:
             local = self._costs.get((k, i), MISSING)
         cost = self.agreement.max([local])[0]
         self._agreed_costs[(k, i)] = cost
-        if i == self._lengths.get(k, self.config.trials) - 1 or cost < 0.0 or (i == 0 and not self.steps):
-            return  # its trial ends anyway, nothing was measured, or one uncounted call (too noisy)
+        if not self.steps:  # calls: one is too noisy; the faster of the counted ones so far
+            known = [c for c in (self._agreed_costs.get((k, n), MISSING) for n in range(1, i + 1)) if c >= 0.0]
+            cost = min(known) if i >= CALLS_BEFORE_CUT and known else MISSING
+        if i == self._lengths.get(k, self.config.trials) - 1 or cost < 0.0:
+            return  # its trial ends anyway, or nothing (enough) was measured
         earlier = self._order[: self._order.index(k)]
         medians = [_median([self._agreed_costs.get((j, n), MISSING) for n in range(1, self.config.trials)], None)
                    for j in earlier]  # fmt: skip
