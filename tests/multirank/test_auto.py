@@ -144,3 +144,48 @@ def test_collective_ranks_choose_alike(fail_fp16: bool) -> None:
     bound = 2.0**-11 * math.sqrt(1.5)  # the float16 ring's predicted error at N = 2
     for r in results:
         assert r["error"] < (1e-6 if fail_fp16 else bound) and r["trial_errors"] < bound
+
+
+def _collective_mismatch(rank: int, world_size: int, async_op: bool) -> dict[str, Any]:
+    import cerar
+    from cerar.comm import auto_collective
+    from cerar.comm.handshake import SettingsMismatchError
+
+    calls = [0]
+    ring_call = auto_collective.ring_call
+
+    def mismatching(*args: Any) -> Any:  # the float16 ring's third call: a mismatch on every rank
+        calls[0] += 1
+        if calls[0] == 3:
+            raise SettingsMismatchError("injected mismatch")
+        return ring_call(*args)
+
+    auto_collective.ring_call = mismatching
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    exact = x.clone()
+    dist.all_reduce(exact)
+    n = auto_collective.COLLECTIVE_CONFIG.calibration_steps(2) + 3
+    ys = [x.clone() for _ in range(n)]
+    if async_op:  # two calls in flight at a time
+        for i in range(0, n, 2):
+            works = [cerar.all_reduce(y, method="auto", max_error=1e-3, async_op=True) for y in ys[i : i + 2]]
+            for work in works:
+                work.wait()
+    else:
+        for y in ys:
+            cerar.all_reduce(y, method="auto", max_error=1e-3)
+    errors = [float((y - exact).norm() / exact.norm()) for y in ys]
+    stream = auto_collective.auto_status()[0]
+    return {"choice": stream["choice"]["method"], "errors": errors, "mismatched": calls[0] >= 3}
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_collective_mismatch_is_redone_exactly_and_rules_the_candidate_out(async_op: bool) -> None:
+    # Calls 1-6 are the float16 ring's trial (after one exact warm-up); its third call (call 3)
+    # raises a handshake mismatch: that call is redone exactly, and the ring is out at the decision.
+    results = check(run_ranks(_collective_mismatch, 2, async_op, timeout=TIMEOUT))
+    bound = 2.0**-11 * math.sqrt(1.5)
+    for r in results:
+        assert r["mismatched"] and r["choice"] == "exact"
+        assert r["errors"][3] < 1e-6 and max(r["errors"]) < bound
+        assert all(e < 1e-6 for e in r["errors"][-3:])  # the plan: exact

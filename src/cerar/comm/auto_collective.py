@@ -27,6 +27,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,33 +131,45 @@ def auto_all_reduce(
     candidate = engine.candidates[choice.candidate]
     started = time.perf_counter()
     try:
-        future = _start(candidate, tensor, reduce_op, group, nonfinite, stats)
+        call = _start(candidate, tensor, reduce_op, group, nonfinite, stats)
     except (ValueError, TypeError):  # before any data moved, the same on every rank
         engine.measured(step, 0, choice.candidate, math.inf)
         candidate, choice = engine.candidates[0], None
-        future = _start(candidate, tensor, reduce_op, group, nonfinite, stats)
+        call = _start(candidate, tensor, reduce_op, group, nonfinite, stats)
 
-    def measure(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
-        from cerar.comm.handshake import SettingsMismatchError
+    def redo_exactly() -> None:  # a handshake mismatch: every rank's input is intact
+        _exact_on(shared.side.group, tensor, reduce_op)
+        engine.measured(step, 0, engine.candidates.index(candidate), math.inf)
 
-        try:
-            fut.value()
-        except SettingsMismatchError:
-            _exact_on(shared.side.group, tensor, reduce_op)
-            engine.measured(step, 0, engine.candidates.index(candidate), math.inf)
-            return [tensor]
+    def measure() -> None:
         done = time.perf_counter()
         with shared.lock:
             seconds = done - max(started, shared.transport_done)
             shared.transport_done = done
         if choice is not None:
             engine.measured(step, 0, choice.candidate, seconds)
+
+    from cerar.comm.handshake import SettingsMismatchError
+
+    if not async_op:  # waited for here and measured inline: no callbacks to hand over between threads
+        try:
+            call.wait()
+        except SettingsMismatchError:
+            redo_exactly()
+        else:
+            measure()
+        return None
+
+    def finish(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
+        try:
+            fut.value()
+        except SettingsMismatchError:
+            redo_exactly()
+        else:
+            measure()
         return [tensor]
 
-    chained = future.then(measure)
-    if not async_op:
-        chained.wait()
-        return None
+    chained = call.future().then(finish)
     with shared.lock:
         shared.outstanding = [f for f in shared.outstanding if not f.done()] + [chained]
     return AutoWork(chained)
@@ -207,6 +220,34 @@ def _drain(shared: _GroupAuto) -> None:
             pass
 
 
+class _Started:
+    """A candidate's call, started: :meth:`wait` completes it in the caller's thread (its error
+    raised there), :meth:`future` hands it to a ``torch.futures.Future`` instead (one or the other)."""
+
+    __slots__ = ("finish", "handle", "tensor")
+
+    def __init__(self, handle: Any, tensor: torch.Tensor, finish: Callable[[], None] | None = None) -> None:
+        self.handle, self.tensor, self.finish = handle, tensor, finish
+
+    def wait(self) -> None:
+        self.handle.wait()
+        if self.finish is not None:
+            self.finish()
+
+    def future(self) -> torch.futures.Future[Any]:
+        future = self.handle.get_future()
+        if self.finish is None:
+            return future
+        finish, tensor = self.finish, self.tensor
+
+        def done(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
+            fut.value()
+            finish()
+            return [tensor]
+
+        return future.then(done)
+
+
 def _start(
     candidate: Candidate,
     tensor: torch.Tensor,
@@ -214,24 +255,22 @@ def _start(
     group: dist.ProcessGroup | None,
     nonfinite: str,
     stats: CommStats | None,
-) -> torch.futures.Future[Any]:
-    """Start ``candidate`` on ``tensor``: a future that completes with the result in place. The
-    cerar candidates run as ``cerar.all_reduce`` / ``ring_all_reduce`` run them (one call on the
-    communication thread), their settings already checked: the code is auto's own, for the group."""
+) -> _Started:
+    """Start ``candidate`` on ``tensor`` (the result lands in place). The cerar candidates run
+    as ``cerar.all_reduce`` / ``ring_all_reduce`` run them (one call on the communication
+    thread), their settings already checked: the code is auto's own, for the group."""
     if candidate.name == "exact":
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         size = dist.get_world_size(group)
         handle = dist.all_reduce(work, group=group, async_op=True)
 
-        def finish(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
-            fut.value()
+        def finish() -> None:
             if op == "avg":
                 work.div_(size)
             if work is not tensor:
                 tensor.copy_(work)
-            return [tensor]
 
-        return handle.get_future().then(finish)
+        return _Started(handle, tensor, finish)
     ring = ring_of(group)
     assert ring is not None  # a member: checked by the caller
     if candidate.components is None:
@@ -239,7 +278,7 @@ def _start(
     else:
         packet = _PACKETS[candidate.wire]
         job = functools.partial(cerar_call, tensor.detach(), op, ring, candidate.code, nonfinite, stats, packet)
-    return COMM.submit(job, tensor, True).get_future()
+    return _Started(COMM.submit(job, tensor, True), tensor)
 
 
 def _exact_on(group: dist.ProcessGroup | None, tensor: torch.Tensor, op: str) -> None:
