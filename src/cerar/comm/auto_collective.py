@@ -48,9 +48,8 @@ _PACKETS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 #: The collective's default knobs: ``AutoConfig()`` but for five counted trial calls per
 #: candidate, not two. One call's time scatters far more than a DDP step's (a step sums many
-#: buckets): at 1 MB on a slow link the calls of one method range over 2x and more, and a median
-#: of two picked the slower of two methods 20% apart in about half of the runs. Calls of a
-#: size cost far less than steps, and a hopeless candidate is still cut after three calls.
+#: buckets), so that a median of two calls often ranks two close methods the wrong way round;
+#: calls of one size cost far less than steps, and a hopeless candidate is still cut after three.
 COLLECTIVE_CONFIG = AutoConfig(trials=6)
 
 

@@ -197,8 +197,8 @@ class BenchConfig:
     def iterations_for(self, size_bytes: int) -> int:
         """Timed iterations at ``size_bytes``: ``iters`` from :data:`FULL_ITERS_BYTES` up, and
         below it proportionally more, at most :data:`MAX_ITERS_FACTOR` x ``iters``. A small
-        call's time scatters far more (at 1 MB on a slow link over 2x between calls of one
-        method) and costs little, so its median needs more calls to compare methods 5% apart."""
+        call's time scatters far more (latency, scheduling) and costs little, so its median
+        needs more calls to compare methods a few percent apart."""
         scaled = -(-self.iters * FULL_ITERS_BYTES // size_bytes)
         return max(self.iters, min(MAX_ITERS_FACTOR * self.iters, scaled))
 
