@@ -207,7 +207,8 @@ def test_slow_killed_rank_leaves_nothing(tmp_path: Path) -> None:
 
 LAUNCHER = textwrap.dedent(
     """
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if it hangs
     from cerar.harness.launch import launch
     launch([sys.executable, sys.argv[1], sys.argv[2], "-1", "0"], 2, regime=sys.argv[3], probe=False,
            timeout_s=120)
@@ -235,8 +236,17 @@ def test_signal_to_launcher_cleans_up(tmp_path: Path, regime: str, sig: signal.S
         pids = _pids(tmp_path, 2)
         launcher.send_signal(sig)
         # A hang guard, not a speed limit: in a full suite on two loaded cores the kill grace,
-        # the reader joins and the namespace teardown once took over 30 s (2026-12-01).
-        _, err = launcher.communicate(timeout=90)
+        # the reader joins and the namespace teardown once took over 30 s (2026-12-01), and a
+        # SIGINT once left the launcher silent for 90 s (2026-12-02, cause not found): if it
+        # hangs, its threads' stacks are the failure's message.
+        try:
+            _, err = launcher.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            launcher.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            launcher.kill()
+            _, err = launcher.communicate()
+            pytest.fail(f"the launcher did not exit within 90 s of {sig.name}; its stacks:\n{err[-6000:]}")
     finally:
         if launcher.poll() is None:
             launcher.kill()
