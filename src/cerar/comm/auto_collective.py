@@ -148,24 +148,22 @@ def auto_all_reduce(
         if choice is not None:
             engine.measured(step, 0, choice.candidate, seconds)
 
-    from cerar.comm.handshake import SettingsMismatchError
+    def settle(wait: Callable[[], Any]) -> None:
+        from cerar.comm.handshake import SettingsMismatchError
 
-    if not async_op:  # waited for here and measured inline: no callbacks to hand over between threads
         try:
-            call.wait()
+            wait()
         except SettingsMismatchError:
             redo_exactly()
         else:
             measure()
+
+    if not async_op:  # waited for here and measured inline: no callbacks to hand over between threads
+        settle(call.wait)
         return None
 
     def finish(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
-        try:
-            fut.value()
-        except SettingsMismatchError:
-            redo_exactly()
-        else:
-            measure()
+        settle(fut.value)
         return [tensor]
 
     chained = call.future().then(finish)
