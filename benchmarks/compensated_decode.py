@@ -21,7 +21,9 @@ c = 8, ``codes.perturbed(4, 8)``, float32 packets, i.i.d. normal float32 inputs.
 Every variant writes the sum back as ``out.t().copy_(acc)`` (bitwise today's ``out.copy_(acc.t())``,
 faster for float32: ``benchmarks/fused_kernels.py``), so that the accumulations are compared.
 
-Variants: ``float64`` (today: observations widened into a float64 buffer, float64 ``addmm``);
+Variants: ``fused C (kept)`` (:mod:`cerar.comm.native`: one compiled pass per piece, float64
+accumulation, what CerarRun runs on a CPU with a C compiler); ``float64`` (the torch ops kept for
+devices and machines without a compiler: observations widened into a float64 buffer, float64 ``addmm``);
 ``float32`` (``W`` in float32, ``addmm`` straight on the observations, no copy); ``f32 W hi+lo``
 (``W = W_hi + W_lo`` in float32, two ``addmm``: the weights' rounding removed); ``two-float``
 (``W_hi + W_lo`` and a TwoSum-compensated ``(hi, lo)`` float32 accumulator, torch ops);
@@ -41,6 +43,7 @@ from collections.abc import Callable
 import torch
 
 from cerar import codes
+from cerar.comm import native
 from cerar.comm.algorithms import cerar_scale_window, fold_slots, own_part, rounds_per_product, slot_groups
 from cerar.comm.transport import segments
 from cerar.experiments.bench.limit import copy_bandwidth
@@ -119,6 +122,25 @@ def float64_decoder(data: RankData) -> Decoder:
                 fold_slots(acc, slots, group_weights[start], begin, data.rows_scale)
                 if stop == c:
                     out[a:b].t().copy_(acc)  # bitwise out.copy_(acc.t()), faster (fused_kernels.py)
+
+    return decode
+
+
+def fused_decoder(data: RankData) -> Decoder:
+    """The compiled one-pass decode (:mod:`cerar.comm.native`, what CerarRun runs on a CPU with
+    a C compiler): float64 accumulation per column, the input, the slots and the output each
+    streamed once, piece by piece."""
+    m = data.columns.shape[0]
+    pieces = segments(m, 4)
+    kernel = native.fused_decoder(
+        data.decode_own, data.decode_obs * data.rows_scale, torch.float32, torch.float32, torch.device("cpu")
+    )
+    if kernel is None:
+        raise RuntimeError(f"the compiled decode is unavailable: {native.status()}")
+
+    def decode(out: torch.Tensor) -> None:
+        for a, b in pieces:
+            kernel.decode(data.columns[a:b], data.observations[:, a:b], 1.0, out[a:b])
 
     return decode
 
@@ -256,11 +278,13 @@ def main(argv: list[str] | None = None) -> None:
         exact = torch.stack([x.double() for x in inputs]).sum(0)
         ranks = simulate_ring(code, inputs)
         variants: dict[str, Callable[[RankData], Decoder]] = {
-            "float64 (today)": float64_decoder,
+            "float64 torch ops": float64_decoder,
             "float32": lambda data: float32_decoder(data, split_weights=False),
             "f32 W hi+lo": lambda data: float32_decoder(data, split_weights=True),
             "two-float": lambda data: two_float_decoder(data, two_sum_update),
         }
+        if native.status().startswith("on"):
+            variants["fused C (kept)"] = fused_decoder
         if update is not None:
             variants["two-float compiled"] = lambda data, kernel=update: two_float_decoder(data, kernel)
         out = torch.empty(d // c, c)
@@ -282,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                 decode(out)
                 times[name].append(time.perf_counter() - began)
         limit = d * (4 + 2 * 4) / rate  # cerar.experiments.bench.limit: decode reads s_p + s_x, writes s_x
-        base = "float64 (today)"
+        base = "float64 torch ops"
         for name in decoders:
             median = statistics.median(times[name])
             paired = statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))

@@ -39,6 +39,7 @@ from cerar.coding.precision import precision_name
 from cerar.coding.scaling import ScaleWindow, scale_window
 from cerar.comm.handshake import MaximaChain
 from cerar.comm.kernels import add_rounded, own_part_target, write_transposed
+from cerar.comm.native import fused_decoder
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Action, Piece, Program, Ring, run_program, segments
 from cerar.protocol.schedule import Schedule
@@ -297,6 +298,9 @@ class CerarRun:
         self.batch_rows, self.batch_of = scaled.batch_rows, scaled.batch_of
         self.group_weights, self.group_of_last_slot = scaled.group_weights, scaled.group_of_last_slot
         self.decode_own = scaled.decode_own
+        # On the CPU the decode is one compiled pass per piece where a compiler was found
+        # (cerar.comm.native); elsewhere the torch ops below, a group of slots at a time.
+        self.fused = fused_decoder(plan.decode_own, plan.decode_obs * self.rows_scale, dtype, packet, device)
         self.pieces = segments(m, torch.empty((), dtype=packet).element_size())
         widest = max((b - a for a, b in self.pieces), default=0)
         # Every packet row starts with the maxima chain's front (8 N bytes), sent only by the
@@ -305,26 +309,30 @@ class CerarRun:
         f = self.front = self.chain.front
         self.send = WORKSPACE.get("send", (2, f + m), packet, device)
         self.recv = WORKSPACE.get("recv", (2, f + m), packet, device)  # rounds before the first observation
-        own = WORKSPACE.get("own_part", (c, widest), dtype, device)
-        deepest = max(stop - start for start, stop in slot_groups(c))
-        arrived = WORKSPACE.get("arrived", (deepest, widest), self.acc_dtype, device)
         # Observation rounds receive straight into their slot (kept until the slot's group is
         # folded); rounds before them into two alternating scratch packets.
         self.observations = WORKSPACE.get("observations", (c, f + m), packet, device)
         increments = WORKSPACE.get("increments", (scaled.per_product * m,), dtype, device)
-        totals = WORKSPACE.get("decoded", (c * m,), self.acc_dtype, device)
-        # Per piece (keyed by its first column): its batch of increments (B, w) and its sum
-        # (c, w) in the accumulator's dtype, each contiguous; the own part's target; per group
-        # of slots, the scratch it is widened into and the slots it reads.
+        # Per piece (keyed by its first column): its batch of increments (B, w), contiguous.
         rows = scaled.per_product
         self.increments = {a: increments[rows * a : rows * b].view(rows, b - a) for a, b in self.pieces}
-        self.totals = {a: totals[c * a : c * b].view(c, b - a) for a, b in self.pieces}
-        self.own_targets = {a: own_part_target(self.totals[a], own[:, : b - a]) for a, b in self.pieces}
-        self.folds = {
-            (a, start): (arrived[: stop - start, : b - a], self.observations[start:stop, f + a : f + b])
-            for a, b in self.pieces
-            for start, stop in slot_groups(c)
-        }
+        self.totals: dict[int, torch.Tensor] = {}
+        self.own_targets: dict[int, torch.Tensor] = {}
+        self.folds: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.fused is None:  # the torch ops' scratch: the fused decode needs none
+            own = WORKSPACE.get("own_part", (c, widest), dtype, device)
+            deepest = max(stop - start for start, stop in slot_groups(c))
+            arrived = WORKSPACE.get("arrived", (deepest, widest), self.acc_dtype, device)
+            totals = WORKSPACE.get("decoded", (c * m,), self.acc_dtype, device)
+            # Per piece: its sum (c, w) in the accumulator's dtype, contiguous; the own part's
+            # target; per group of slots, the scratch it is widened into and the slots it reads.
+            self.totals = {a: totals[c * a : c * b].view(c, b - a) for a, b in self.pieces}
+            self.own_targets = {a: own_part_target(self.totals[a], own[:, : b - a]) for a, b in self.pieces}
+            self.folds = {
+                (a, start): (arrived[: stop - start, : b - a], self.observations[start:stop, f + a : f + b])
+                for a, b in self.pieces
+                for start, stop in slot_groups(c)
+            }
         self.program = self._bind(packet != dtype)
         # The chain's bytes, sent inside data packets: not counted as data.
         carrying = sum(self.chain.carries(t, self.rounds) for t in range(1, self.rounds + 1)) if self.pieces else 0
@@ -378,8 +386,12 @@ class CerarRun:
         observation completes."""
         upcoming = self.batch_of.get(t + 2)
         batch = upcoming[0] if upcoming is not None and upcoming[1] == 0 else None
-        group = self.group_of_last_slot.get(t - self.first_observed)
-        fold = None if group is None else functools.partial(self._fold, t, a, b, group)
+        fold: Action | None
+        if self.fused is not None:  # the whole decode in one pass, once the last slot is in
+            fold = functools.partial(self._fused_decode, a, b) if t == self.rounds else None
+        else:
+            group = self.group_of_last_slot.get(t - self.first_observed)
+            fold = None if group is None else functools.partial(self._fold, t, a, b, group)
         if batch is None:
             return fold
         encode = functools.partial(self._encode_batch, batch, a)
@@ -464,6 +476,23 @@ class CerarRun:
         began = time.perf_counter()
         encode_rounds(self.batch_rows[j], self.columns[a], self.increments[a])
         self.encode_s += time.perf_counter() - began
+
+    def _fused_decode(self, a: int, b: int) -> None:
+        """The piece's sum in one compiled pass (:mod:`cerar.comm.native`), written over its
+        input, times ``2**q``, if :meth:`decide` says so; otherwise nothing is read or written."""
+        if not self.decide():
+            return
+        began = time.perf_counter()
+        c, d, rows = self.c, self.d, self.columns[a]
+        out = rows
+        if self.data_exponent and b <= self.full_rows:  # the scaled copy's pieces are not flat's
+            out = self.flat[a * c : b * c].view(b - a, c)
+        f = self.front
+        assert self.fused is not None
+        self.fused.decode(rows, self.observations[:, f + a : f + b], math.ldexp(1.0, self.data_exponent), out)
+        if b > self.full_rows:  # the copied last piece: its values back into flat
+            self.flat[a * c :].copy_(out.view(-1)[: d - a * c])
+        self.decode_s += time.perf_counter() - began
 
     def _fold(self, t: int, a: int, b: int, group: tuple[int, int]) -> None:
         """Fold a group of slots into the piece's sum (the own part ``D X`` with the first); after

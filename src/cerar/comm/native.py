@@ -1,0 +1,173 @@
+"""CERAR's CPU decode as one compiled C function, built on first use and loaded with ctypes.
+
+The decode of a piece, ``out = scale (D X + W R)`` accumulated in float64, is memory-bound: the
+torch ops of :meth:`cerar.comm.algorithms.CerarRun._fold` widen every observation into a
+float64 scratch and stream a float64 accumulator three times, several times the bytes the
+decode must move. ``csrc/fused_decode.c`` reads the input and the observations and writes the
+output once each. It needs no torch headers, so a plain C compiler builds it in well under a
+second; it is called through ctypes, which releases the GIL for the call, so the training
+threads keep running while a piece decodes.
+
+Built once per machine and source into cerar's cache folder
+(:func:`cerar.coding.design_cache.cache_dir`: ``$CERAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/cerar``
+or ``~/.cache/cerar``; the file name hashes the source, the compiler and the CPU's flags, since
+it is built for the CPU it runs on), written atomically so that ranks building at once never
+load half a file. Where there is no compiler, the build fails, or
+``CERAR_NATIVE=0`` is set, :func:`fused_decoder` returns None and the torch ops run instead;
+:func:`status` says which and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from cerar._files import atomic_path
+from cerar.coding.design_cache import cache_dir
+
+__all__ = ["PACKET_KINDS", "FusedDecoder", "fused_decoder", "status"]
+
+_SOURCE = "fused_decode.c"
+_VERSION = 1  # cerar_native_version() of the source this module speaks to
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
+_BUILD_TIMEOUT_S = 120
+
+#: Packet dtypes the kernel reads, by the code it takes.
+PACKET_KINDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_status: str | None = None  # None: not tried yet
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` builds for them): part of the build's name."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _switched_off() -> bool:
+    """``CERAR_NATIVE=0``: read at every call, so that a process can compare both paths."""
+    return os.environ.get("CERAR_NATIVE", "1") == "0"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(compiler: str, source: bytes) -> Path:
+    """The shared library for ``source``: the cached one, or a new build (atomic)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = [version, " ".join(_FLAGS), _cpu_flags(), platform.machine()]
+    key = hashlib.sha256(b"\0".join([source, *(part.encode() for part in parts)])).hexdigest()[:16]
+    target = cache_dir() / f"fused_decode-{key}.so"
+    if target.exists():
+        return target
+    with atomic_path(target, suffix=".so") as tmp:
+        src = tmp.with_suffix(".c")
+        try:
+            src.write_bytes(source)
+            result = subprocess.run(
+                [compiler, *_FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+            )
+        finally:
+            src.unlink(missing_ok=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()[-500:]}")
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    """Build (or find) and load the library once per process; None where it cannot be had."""
+    global _library, _status
+    if _switched_off():
+        return None
+    with _lock:
+        if _status is not None:
+            return _library
+        compiler = _compiler()
+        if compiler is None:
+            _status = "off: no C compiler (cc, gcc or clang) on PATH"
+            return None
+        try:
+            source = resources.files("cerar.comm").joinpath("csrc", _SOURCE).read_bytes()
+            path = _build(compiler, source)
+            library = ctypes.CDLL(str(path))
+            if library.cerar_native_version() != _VERSION:
+                raise RuntimeError(f"{path} is version {library.cerar_native_version()}, not {_VERSION}")
+            function = library.cerar_fused_decode
+            function.restype = ctypes.c_int
+            function.argtypes = [
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p,
+            ]  # fmt: skip
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+            _status = f"off: build failed ({exc})"
+            return None
+        _library, _status = library, f"on: {path}"
+        return library
+
+
+def status() -> str:
+    """Whether the compiled decode is in use (``"on: <library>"``) or why not (``"off: ..."``);
+    builds it if that was not tried yet."""
+    _load()
+    if _switched_off():
+        return "off: CERAR_NATIVE=0"
+    assert _status is not None
+    return _status
+
+
+class FusedDecoder:
+    """The compiled decode for one code and scale: ``D`` and ``W 2**r`` transposed, in float64,
+    kept beside the ctypes function. :meth:`decode` checks nothing in the hot path beyond what
+    the binding (:class:`cerar.comm.algorithms.CerarRun`) guaranteed when it was built."""
+
+    __slots__ = ("_dt", "_function", "_wt", "components")
+
+    def __init__(self, function: ctypes._CFuncPtr, decode_own: torch.Tensor, decode_obs: torch.Tensor) -> None:
+        self._function = function
+        self.components = decode_own.shape[0]
+        self._dt = decode_own.to(torch.float64).t().contiguous()  # dt[j, k] = D[k, j]
+        self._wt = decode_obs.to(torch.float64).t().contiguous()  # wt[s, k] = W[k, s]
+
+    def decode(self, rows: torch.Tensor, observations: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """``out = scale (D rows^T + W observations)^T``: ``rows`` the piece's ``(w, c)`` float32
+        values (may be ``out`` itself), ``observations`` its ``(c, w)`` slots (unit stride
+        along a slot, any stride between slots), ``out`` ``(w, c)`` float32, contiguous."""
+        w = rows.shape[0]
+        code = self._function(
+            w, self.components, rows.data_ptr(), observations.data_ptr(), observations.stride(0),
+            PACKET_KINDS[observations.dtype], self._dt.data_ptr(), self._wt.data_ptr(), scale, out.data_ptr(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"cerar's fused decode refused w={w}, c={self.components}, ld={observations.stride(0)}.")
+
+
+def fused_decoder(
+    decode_own: torch.Tensor, decode_obs: torch.Tensor, data: torch.dtype, packet: torch.dtype, device: torch.device
+) -> FusedDecoder | None:
+    """A :class:`FusedDecoder` for these float64 decode matrices (``D`` and ``W 2**r``, ``c x c``),
+    or None where the torch ops must run: not a CPU tensor, data other than float32, a packet
+    dtype the kernel does not read, or no compiled library (:func:`status`)."""
+    if device.type != "cpu" or data != torch.float32 or packet not in PACKET_KINDS:
+        return None
+    library = _load()
+    if library is None:
+        return None
+    return FusedDecoder(library.cerar_fused_decode, decode_own, decode_obs)

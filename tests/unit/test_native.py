@@ -1,0 +1,131 @@
+"""cerar.comm.native: the compiled decode against an independent float64 reference (numpy), and
+its build: cached, atomic, and off with a reason where it cannot be had."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cerar.comm import native
+
+_PACKETS = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A process that has not tried the build yet, with its own cache folder."""
+    monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setenv("CERAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CERAR_NATIVE", raising=False)
+    return tmp_path / "cache"
+
+
+def _decoder(c: int, seed: int) -> tuple[native.FusedDecoder, np.ndarray, np.ndarray]:
+    """A decoder for random ``D`` and ``W`` with entries up to ~1e3 whose terms cancel, as a
+    real code's do (the decoded sum is far smaller than its terms)."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None and shutil.which("clang") is None:
+        pytest.skip("no C compiler: the torch ops run instead (tested in the multi-rank suites)")
+    rng = np.random.default_rng(seed)
+    d = rng.standard_normal((c, c)) * 10.0 ** rng.uniform(0, 3, (c, c))
+    w = rng.standard_normal((c, c)) * 10.0 ** rng.uniform(0, 3, (c, c))
+    decoder = native.fused_decoder(
+        torch.from_numpy(d), torch.from_numpy(w), torch.float32, torch.float32, torch.device("cpu")
+    )
+    assert decoder is not None, native.status()  # a compiler is here: the build must work
+    return decoder, d, w
+
+
+def _observations(c: int, width: int, ld: int, offset: int, packet: torch.dtype, seed: int) -> torch.Tensor:
+    """``c`` slots of ``width`` values, ``ld`` apart, starting ``offset`` into their buffer (as the
+    engine's slots sit behind the maxima chain's front), over many binades."""
+    g = torch.Generator().manual_seed(seed)
+    buffer = torch.randn(c, ld, generator=g) * torch.exp2(torch.randint(-12, 12, (c, ld), generator=g).float())
+    return buffer.to(packet)[:, offset : offset + width]
+
+
+def _reference(d: np.ndarray, w: np.ndarray, rows: np.ndarray, obs: np.ndarray, scale: float) -> np.ndarray:
+    return ((d @ rows.T + w @ obs) * scale).T
+
+
+@pytest.mark.parametrize("packet", _PACKETS)
+@pytest.mark.parametrize("c", [4, 5, 8, 16])
+def test_decode_matches_the_float64_reference(packet: torch.dtype, c: int) -> None:
+    decoder, d, w = _decoder(c, seed=c)
+    width = 3001  # several of the 16-bit path's blocks of columns, the last one partial
+    rows = torch.randn(width, c, generator=torch.Generator().manual_seed(1))
+    obs = _observations(c, width, ld=width + 40, offset=24, packet=packet, seed=2)
+    scale = 2.0**-3
+    out = torch.empty(width, c)
+    decoder.decode(rows, obs, scale, out)
+    obs64 = obs.double().numpy()  # the packets widened exactly, subnormals of float16 included
+    expected = _reference(d, w, rows.double().numpy(), obs64, scale)
+    # Rounded once to float32 from a float64 sum: within one float32 rounding of the result plus
+    # float64's error on the terms, which cancel ~1e3-fold.
+    terms = (np.abs(d) @ np.abs(rows.double().numpy()).T + np.abs(w) @ np.abs(obs64)).T * scale
+    assert np.all(np.abs(out.double().numpy() - expected) <= 2.0**-24 * np.abs(expected) + 1e-13 * terms)
+    # The same sum accumulated in float32 misses that tolerance: the test can tell.
+    single = ((torch.from_numpy(d).float() @ rows.T + torch.from_numpy(w).float() @ obs.float()) * scale).T
+    assert not np.all(np.abs(single.double().numpy() - expected) <= 2.0**-24 * np.abs(expected) + 1e-13 * terms)
+
+
+@pytest.mark.parametrize("packet", _PACKETS)
+def test_decode_in_place_and_nan_stays_in_its_column(packet: torch.dtype) -> None:
+    c, width = 8, 700
+    decoder, d, w = _decoder(c, seed=3)
+    rows = torch.randn(width, c, generator=torch.Generator().manual_seed(4))
+    obs = _observations(c, width, ld=width, offset=0, packet=packet, seed=5).clone()
+    obs[2, 123] = float("nan")
+    expected = _reference(d, w, rows.double().numpy(), obs.double().numpy(), 1.0)
+    decoder.decode(rows, obs, 1.0, rows)  # out is the input: each column read before it is written
+    assert torch.isnan(rows[123]).all() and torch.isfinite(rows[torch.arange(width) != 123]).all()
+    keep = np.arange(width) != 123
+    assert np.allclose(rows.double().numpy()[keep], expected[keep], rtol=1e-6, atol=1e-3)
+
+
+def test_empty_piece_and_refused_arguments() -> None:
+    decoder, _, _ = _decoder(4, seed=6)
+    out = torch.empty(0, 4)
+    decoder.decode(torch.empty(0, 4), torch.empty(4, 0), 1.0, out)  # nothing to do, no error
+    wide = torch.empty(4, 10)
+    with pytest.raises(ValueError, match=r"ld=3"):  # slots closer than the piece is wide
+        decoder.decode(torch.empty(10, 4), wide.as_strided((4, 10), (3, 1)), 1.0, torch.empty(10, 4))
+
+
+def test_only_float32_data_on_the_cpu_with_a_packet_it_reads() -> None:
+    eye = torch.eye(4, dtype=torch.float64)
+    cpu = torch.device("cpu")
+    assert native.fused_decoder(eye, eye, torch.float64, torch.float64, cpu) is None
+    assert native.fused_decoder(eye, eye, torch.float32, torch.float64, cpu) is None
+    assert native.fused_decoder(eye, eye, torch.float32, torch.float32, torch.device("meta")) is None
+
+
+def test_switched_off_by_the_environment(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CERAR_NATIVE", "0")
+    eye = torch.eye(4, dtype=torch.float64)
+    assert native.fused_decoder(eye, eye, torch.float32, torch.float32, torch.device("cpu")) is None
+    assert native.status() == "off: CERAR_NATIVE=0"
+    assert not fresh.exists()  # nothing was built
+
+
+def test_a_compiler_that_fails_leaves_the_torch_ops(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", str(fresh.parent / "no-such-compiler"))
+    eye = torch.eye(4, dtype=torch.float64)
+    assert native.fused_decoder(eye, eye, torch.float32, torch.float32, torch.device("cpu")) is None
+    assert native.status().startswith("off: build failed") and "no-such-compiler" in native.status()
+
+
+def test_the_build_is_cached_and_leaves_no_temporary_files(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _decoder(4, seed=7)  # builds into the fresh cache
+    assert native.status() == f"on: {next(fresh.iterdir())}"
+    built = list(fresh.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so", built
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_status", None)  # a new process on the same machine
+    monkeypatch.setattr(native, "_library", None)
+    _decoder(4, seed=7)
+    assert list(fresh.iterdir()) == built and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
