@@ -39,7 +39,7 @@ from cerar.coding.precision import precision_name
 from cerar.coding.scaling import ScaleWindow, scale_window
 from cerar.comm.handshake import MaximaChain
 from cerar.comm.kernels import add_rounded, own_part_target, write_transposed
-from cerar.comm.native import fused_decoder
+from cerar.comm.native import fused_decoder, fused_encoder
 from cerar.comm.stats import CommStats
 from cerar.comm.transport import WORKSPACE, Action, Piece, Program, Ring, run_program, segments
 from cerar.protocol.schedule import Schedule
@@ -298,9 +298,11 @@ class CerarRun:
         self.batch_rows, self.batch_of = scaled.batch_rows, scaled.batch_of
         self.group_weights, self.group_of_last_slot = scaled.group_weights, scaled.group_of_last_slot
         self.decode_own = scaled.decode_own
-        # On the CPU the decode is one compiled pass per piece where a compiler was found
-        # (cerar.comm.native); elsewhere the torch ops below, a group of slots at a time.
+        # On the CPU the coding is compiled where a compiler was found (cerar.comm.native): the
+        # decode one pass per piece, the encode every round's increment of a piece in one pass;
+        # elsewhere the torch ops below, a group of slots and a batch of rounds at a time.
         self.fused = fused_decoder(plan.decode_own, plan.decode_obs * self.rows_scale, dtype, packet, device)
+        self.encoder = fused_encoder(plan.increments / self.rows_scale, dtype, device)  # exact: a power of two
         self.pieces = segments(m, torch.empty((), dtype=packet).element_size())
         widest = max((b - a for a, b in self.pieces), default=0)
         # Every packet row starts with the maxima chain's front (8 N bytes), sent only by the
@@ -312,9 +314,10 @@ class CerarRun:
         # Observation rounds receive straight into their slot (kept until the slot's group is
         # folded); rounds before them into two alternating scratch packets.
         self.observations = WORKSPACE.get("observations", (c, f + m), packet, device)
-        increments = WORKSPACE.get("increments", (scaled.per_product * m,), dtype, device)
-        # Per piece (keyed by its first column): its batch of increments (B, w), contiguous.
-        rows = scaled.per_product
+        # Per piece (keyed by its first column): its increments, contiguous: every round's (L, w)
+        # with the compiled encode (the input read once), else a batch's (B, w) at a time.
+        rows = self.rounds if self.encoder is not None else scaled.per_product
+        increments = WORKSPACE.get("increments", (rows * m,), dtype, device)
         self.increments = {a: increments[rows * a : rows * b].view(rows, b - a) for a, b in self.pieces}
         self.totals: dict[int, torch.Tensor] = {}
         self.own_targets: dict[int, torch.Tensor] = {}
@@ -360,7 +363,7 @@ class CerarRun:
             for a, b in self.pieces:
                 row = self.send[t % 2]
                 out, arrived = row[f + a : f + b], self._arrived(t)
-                increment = self.increments[a][self.batch_of[t][1]]
+                increment = self.increments[a][t - 1 if self.encoder is not None else self.batch_of[t][1]]
                 prepare: Action
                 if t == 1:  # the piece's first batch, while earlier pieces are on the wire
                     prepare = functools.partial(self._first_round, a, out, increment)
@@ -384,7 +387,7 @@ class CerarRun:
         the wire: the next batch of increments if round ``t + 1`` used the batch's last row (the
         next batch is needed from round ``t + 2``), and the fold of a group of slots that this
         observation completes."""
-        upcoming = self.batch_of.get(t + 2)
+        upcoming = self.batch_of.get(t + 2) if self.encoder is None else None  # else all encoded in round 1
         batch = upcoming[0] if upcoming is not None and upcoming[1] == 0 else None
         fold: Action | None
         if self.fused is not None:  # the whole decode in one pass, once the last slot is in
@@ -464,7 +467,12 @@ class CerarRun:
         self.chain.set_own_from(self.flat)  # one pass over the input, while round 1 is on the wire
 
     def _first_round(self, a: int, out: torch.Tensor, increment: torch.Tensor) -> None:
-        self._encode_batch(0, a)
+        if self.encoder is not None:
+            began = time.perf_counter()
+            self.encoder.encode(self.columns[a], self.increments[a])
+            self.encode_s += time.perf_counter() - began
+        else:
+            self._encode_batch(0, a)
         out.copy_(increment)
 
     def _with_chain(self, prepare: Action, front: torch.Tensor) -> None:

@@ -1,20 +1,24 @@
-"""CERAR's CPU decode as one compiled C function, built on first use and loaded with ctypes.
+"""CERAR's CPU coding as compiled C functions, built on first use and loaded with ctypes.
 
-The decode of a piece, ``out = scale (D X + W R)`` accumulated in float64, is memory-bound: the
-torch ops of :meth:`cerar.comm.algorithms.CerarRun._fold` widen every observation into a
-float64 scratch and stream a float64 accumulator three times, several times the bytes the
-decode must move. ``csrc/fused_decode.c`` reads the input and the observations and writes the
-output once each. It needs no torch headers, so a plain C compiler builds it in well under a
-second; it is called through ctypes, which releases the GIL for the call, so the training
-threads keep running while a piece decodes.
+Both halves of the coding are memory-bound. The decode of a piece, ``out = scale (D X + W R)``
+accumulated in float64: the torch ops of :meth:`cerar.comm.algorithms.CerarRun._fold` widen
+every observation into a float64 scratch and stream a float64 accumulator three times, several
+times the bytes the decode must move. The encode, every round's increment ``R_t X``: torch's
+``(B, c) x (c, w)`` products read the input once per batch of ``B`` rounds. ``csrc/coding.c``
+reads the input once for all rounds' increments, and the input and the observations once for
+the decode. It needs no torch headers, so a plain C compiler builds it in well under a second;
+it is called through ctypes, which releases the GIL for the call, so the training threads keep
+running while a piece is coded.
 
 Built once per machine and source into cerar's cache folder
 (:func:`cerar.coding.design_cache.cache_dir`: ``$CERAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/cerar``
 or ``~/.cache/cerar``; the file name hashes the source, the compiler and the CPU's flags, since
 it is built for the CPU it runs on), written atomically so that ranks building at once never
 load half a file. Where there is no compiler, the build fails, or
-``CERAR_NATIVE=0`` is set, :func:`fused_decoder` returns None and the torch ops run instead;
-:func:`status` says which and why.
+``CERAR_NATIVE=0`` is set, :func:`fused_decoder` and :func:`fused_encoder` return None and the
+torch ops run instead; :func:`status` says which and why. The encode is vectorised by hand
+(AVX2) for codes of 8, 16, 24 or 32 components, the decode compiled for up to 32; elsewhere
+they return None.
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ import torch
 from cerar._files import atomic_path
 from cerar.coding.design_cache import cache_dir
 
-__all__ = ["PACKET_KINDS", "FusedDecoder", "fused_decoder", "status"]
+__all__ = ["PACKET_KINDS", "FusedDecoder", "FusedEncoder", "fused_decoder", "fused_encoder", "status"]
 
-_SOURCE = "fused_decode.c"
-_VERSION = 1  # cerar_native_version() of the source this module speaks to
+_SOURCE = "coding.c"
+_VERSION = 2  # cerar_native_version() of the source this module speaks to
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
 _BUILD_TIMEOUT_S = 120
 
@@ -75,7 +79,7 @@ def _build(compiler: str, source: bytes) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     parts = [version, " ".join(_FLAGS), _cpu_flags(), platform.machine()]
     key = hashlib.sha256(b"\0".join([source, *(part.encode() for part in parts)])).hexdigest()[:16]
-    target = cache_dir() / f"fused_decode-{key}.so"
+    target = cache_dir() / f"coding-{key}.so"
     if target.exists():
         return target
     with atomic_path(target, suffix=".so") as tmp:
@@ -116,6 +120,14 @@ def _load() -> ctypes.CDLL | None:
                 ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p,
             ]  # fmt: skip
+            library.cerar_encode.restype = ctypes.c_int
+            library.cerar_encode.argtypes = (
+                [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p]
+            )
+            library.cerar_encode_supports.restype = ctypes.c_int
+            library.cerar_encode_supports.argtypes = [ctypes.c_int64]
+            library.cerar_decode_supports.restype = ctypes.c_int
+            library.cerar_decode_supports.argtypes = [ctypes.c_int64]
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
             _status = f"off: build failed ({exc})"
             return None
@@ -134,26 +146,34 @@ def status() -> str:
 
 
 class FusedDecoder:
-    """The compiled decode for one code and scale: ``D`` and ``W 2**r`` transposed, in float64,
-    kept beside the ctypes function. :meth:`decode` checks nothing in the hot path beyond what
-    the binding (:class:`cerar.comm.algorithms.CerarRun`) guaranteed when it was built."""
+    """The compiled decode for one code, scale and packet dtype: ``D`` and ``W 2**r``
+    transposed, in the precision the kernel accumulates in (float64 for float32 packets, float32
+    for 16-bit ones, whose own rounding dwarfs float32's, as the torch ops do), kept beside the
+    ctypes function."""
 
-    __slots__ = ("_dt", "_function", "_wt", "components")
+    __slots__ = ("_dt", "_function", "_kind", "_wt", "components", "packet")
 
-    def __init__(self, function: ctypes._CFuncPtr, decode_own: torch.Tensor, decode_obs: torch.Tensor) -> None:
+    def __init__(
+        self, function: ctypes._CFuncPtr, decode_own: torch.Tensor, decode_obs: torch.Tensor, packet: torch.dtype
+    ) -> None:
         self._function = function
         self.components = decode_own.shape[0]
-        self._dt = decode_own.to(torch.float64).t().contiguous()  # dt[j, k] = D[k, j]
-        self._wt = decode_obs.to(torch.float64).t().contiguous()  # wt[s, k] = W[k, s]
+        self.packet, self._kind = packet, PACKET_KINDS[packet]
+        accumulator = torch.float64 if packet == torch.float32 else torch.float32
+        self._dt = decode_own.to(accumulator).t().contiguous()  # dt[j, k] = D[k, j]
+        self._wt = decode_obs.to(accumulator).t().contiguous()  # wt[s, k] = W[k, s]
 
     def decode(self, rows: torch.Tensor, observations: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """``out = scale (D rows^T + W observations)^T``: ``rows`` the piece's ``(w, c)`` float32
-        values (may be ``out`` itself), ``observations`` its ``(c, w)`` slots (unit stride
-        along a slot, any stride between slots), ``out`` ``(w, c)`` float32, contiguous."""
+        values (may be ``out`` itself), ``observations`` its ``(c, w)`` slots in the packet
+        dtype (unit stride along a slot, any stride between slots), ``out`` ``(w, c)`` float32,
+        contiguous."""
         w = rows.shape[0]
+        if observations.dtype != self.packet:
+            raise ValueError(f"Argument 'observations' must be {self.packet}, not {observations.dtype}.")
         code = self._function(
             w, self.components, rows.data_ptr(), observations.data_ptr(), observations.stride(0),
-            PACKET_KINDS[observations.dtype], self._dt.data_ptr(), self._wt.data_ptr(), scale, out.data_ptr(),
+            self._kind, self._dt.data_ptr(), self._wt.data_ptr(), scale, out.data_ptr(),
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"cerar's fused decode refused w={w}, c={self.components}, ld={observations.stride(0)}.")
@@ -164,10 +184,45 @@ def fused_decoder(
 ) -> FusedDecoder | None:
     """A :class:`FusedDecoder` for these float64 decode matrices (``D`` and ``W 2**r``, ``c x c``),
     or None where the torch ops must run: not a CPU tensor, data other than float32, a packet
-    dtype the kernel does not read, or no compiled library (:func:`status`)."""
+    dtype the kernel does not read, a code wider than it is compiled for, or no compiled
+    library (:func:`status`)."""
     if device.type != "cpu" or data != torch.float32 or packet not in PACKET_KINDS:
         return None
     library = _load()
-    if library is None:
+    if library is None or not library.cerar_decode_supports(decode_own.shape[0]):
         return None
-    return FusedDecoder(library.cerar_fused_decode, decode_own, decode_obs)
+    return FusedDecoder(library.cerar_fused_decode, decode_own, decode_obs, packet)
+
+
+class FusedEncoder:
+    """The compiled encode for one code and scale: the ``(L, c)`` increment rows ``R / 2**r`` in
+    float32 (what torch's products use), kept beside the ctypes function."""
+
+    __slots__ = ("_function", "_rows", "components", "rounds")
+
+    def __init__(self, function: ctypes._CFuncPtr, rows: torch.Tensor) -> None:
+        self._function = function
+        self.rounds, self.components = rows.shape
+        self._rows = rows.to(torch.float32).contiguous()
+
+    def encode(self, piece: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = rows piece^T``: ``piece`` the ``(w, c)`` float32 values (contiguous), ``out``
+        the ``(L, w)`` increments, unit stride along a row."""
+        w = piece.shape[0]
+        code = self._function(
+            w, self.components, self.rounds, piece.data_ptr(), self._rows.data_ptr(), out.stride(0), out.data_ptr()
+        )
+        if code != 0:
+            raise ValueError(f"cerar's encode refused w={w}, c={self.components}, ld={out.stride(0)}.")
+
+
+def fused_encoder(rows: torch.Tensor, data: torch.dtype, device: torch.device) -> FusedEncoder | None:
+    """A :class:`FusedEncoder` for the ``(L, c)`` increment rows (already divided by ``2**r``), or
+    None where torch's products must run: not a CPU tensor, data other than float32, a number of
+    components the kernel is not written for, or no compiled library (:func:`status`)."""
+    if device.type != "cpu" or data != torch.float32:
+        return None
+    library = _load()
+    if library is None or not library.cerar_encode_supports(rows.shape[1]):
+        return None
+    return FusedEncoder(library.cerar_encode, rows)

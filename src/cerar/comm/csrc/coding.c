@@ -1,0 +1,318 @@
+/* CERAR's coding on the CPU, each in one pass over memory (loaded by cerar/comm/native.py).
+
+   cerar_encode: every round's increment of one piece. For each of the piece's w columns q (the
+   c neighbouring values x[q*c .. q*c + c - 1]) and each round t < L:
+
+       out[t*ld + q] = sum_j R[t][j] x[q*c + j]          (float32, as torch's product)
+
+   reading the input once for all L rounds (torch's (B, c) x (c, w) products read it once per
+   batch of B rounds) and writing each increment once.
+
+   cerar_fused_decode: the decode of one piece. For each column q:
+
+       out[q*c + k] = scale * ( sum_j D[k][j] x[q*c + j] + sum_s W[k][s] obs[s*ld + q] )
+
+   accumulated in double for float32 packets (the only precision whose decode error matches the
+   float64 reference: the decoded sum cancels terms about a thousand times larger than itself)
+   and in float for 16-bit packets (whose own rounding dwarfs float's). x, the own rows, and out may be the same memory: a column's c outputs are written
+   only after its c inputs have been read. obs holds the c observation slots, ld values apart,
+   as float32, float16 or bfloat16 packets. dt is D transposed (dt[j*c + k] = D[k][j]) and wt is
+   W transposed (wt[s*c + k] = W[k][s]), both row-major c x c in the accumulator's type, so that one input value
+   updates c contiguous accumulators (vectorised across k).
+
+   The torch ops these replace stream a float64 accumulator three times and widen every
+   observation into a float64 scratch; this reads the input, the observations and writes the
+   output once each. No allocation, no global state: callable from any thread, and ctypes
+   releases the GIL around the call. */
+
+#include <stdint.h>
+#include <string.h>
+
+enum { PACKET_F32 = 0, PACKET_F16 = 1, PACKET_BF16 = 2 };
+
+/* The widest code the decode is compiled for; wider ones decode with the torch ops. */
+#define MAX_C 32
+
+static inline float load_f32(const void *base, int64_t i) { return ((const float *)base)[i]; }
+
+static inline float load_bf16(const void *base, int64_t i) {
+    uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* float16: the F16C instruction on x86 (GCC's _Float16 conversion calls libgcc there unless the
+   CPU has AVX512-FP16), the compiler's _Float16 on ARM, else by hand. */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float load_f16(const void *base, int64_t i) { return _cvtsh_ss(((const uint16_t *)base)[i]); }
+#elif defined(__aarch64__) && defined(__FLT16_MAX__)
+static inline float load_f16(const void *base, int64_t i) { return (float)((const _Float16 *)base)[i]; }
+#else
+static inline float load_f16(const void *base, int64_t i) {
+    uint32_t h = ((const uint16_t *)base)[i];
+    uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else {
+        float value = (float)mantissa * (1.0f / 16777216.0f); /* subnormal: mantissa * 2^-24 */
+        return sign ? -value : value;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+#endif
+
+/* ---- encode ------------------------------------------------------------------------------ */
+
+/* Eight columns at a time: their c values (8 x c, row-major) transposed in registers into c
+   vectors of 8 columns each, so that each round's 8 outputs are c fused multiply-adds and one
+   store. Written with AVX2/FMA intrinsics for c a multiple of 8 up to ENCODE_MAX_C (compilers
+   do not vectorise the transpose); elsewhere cerar_encode refuses and the torch product runs. */
+#define ENCODE_MAX_C 32
+#define MAX_ROUNDS 1024
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+#define ENCODE_VECTORISED 1
+static void encode_avx(int64_t w, int64_t c, int64_t rounds, const float *x, const float *rows, int64_t ld,
+                       float *out) {
+    __m256 xt[ENCODE_MAX_C];
+    int64_t q0 = 0;
+    for (; q0 + 8 <= w; q0 += 8) {
+        for (int64_t j0 = 0; j0 < c; j0 += 8) {
+            __m256 block[8];
+            for (int q = 0; q < 8; ++q) block[q] = _mm256_loadu_ps(x + (q0 + q) * c + j0);
+            transpose8(block);
+            for (int j = 0; j < 8; ++j) xt[j0 + j] = block[j];
+        }
+        for (int64_t t = 0; t < rounds; ++t) {
+            const float *r = rows + t * c;
+            __m256 acc = _mm256_mul_ps(_mm256_broadcast_ss(r), xt[0]);
+            for (int64_t j = 1; j < c; ++j) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(r + j), xt[j], acc);
+            _mm256_storeu_ps(out + t * ld + q0, acc);
+        }
+    }
+    for (; q0 < w; ++q0) { /* the last columns, fewer than 8 */
+        for (int64_t t = 0; t < rounds; ++t) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < c; ++j) acc += rows[t * c + j] * x[q0 * c + j];
+            out[t * ld + q0] = acc;
+        }
+    }
+}
+#else
+#define ENCODE_VECTORISED 0
+#endif
+
+/* Whether cerar_encode takes codes of c components. */
+int cerar_encode_supports(int64_t c) { return ENCODE_VECTORISED && c % 8 == 0 && c >= 8 && c <= ENCODE_MAX_C; }
+
+/* Returns 0, or -1 for an argument this kernel does not take. rows is the L x c float32 matrix
+   of increment rows (row-major), out the L increments, ld values apart. */
+int cerar_encode(int64_t w, int64_t c, int64_t rounds, const float *x, const float *rows, int64_t ld, float *out) {
+    if (!cerar_encode_supports(c) || w < 0 || rounds < 0 || rounds > MAX_ROUNDS || ld < w) return -1;
+#if ENCODE_VECTORISED
+    encode_avx(w, c, rounds, x, rows, ld, out);
+#endif
+    return 0;
+}
+
+/* ---- decode ------------------------------------------------------------------------------ */
+
+/* The columns [q0, q0 + w) of one piece, accumulated in ACC (double or float) with the
+   matrices dt and wt in ACC: obs points at slot 0's value of column q0 in float32, ld values
+   between slots (the packets themselves, or a block of them widened from 16 bits). The scale
+   is applied in double: 2**q need not be a float. */
+#define DECODE_COLUMNS(C, ACC)                                                              \
+    for (int64_t q = 0; q < w; ++q) {                                                      \
+        ACC acc[MAX_C];                                                                     \
+        const float *row = x + q * (C);                                                     \
+        for (int64_t k = 0; k < (C); ++k) acc[k] = 0;                                       \
+        for (int64_t j = 0; j < (C); ++j) {                                                 \
+            const ACC value = (ACC)row[j];                                                  \
+            const ACC *column = dt + j * (C);                                               \
+            for (int64_t k = 0; k < (C); ++k) acc[k] += column[k] * value;                  \
+        }                                                                                   \
+        for (int64_t s = 0; s < (C); ++s) {                                                 \
+            const ACC value = (ACC)obs[s * ld + q];                                         \
+            const ACC *column = wt + s * (C);                                               \
+            for (int64_t k = 0; k < (C); ++k) acc[k] += column[k] * value;                  \
+        }                                                                                   \
+        float *target = out + q * (C);                                                      \
+        for (int64_t k = 0; k < (C); ++k) target[k] = (float)((double)acc[k] * scale);      \
+    }
+
+/* One instance per width up to MAX_C, so that the k loops unroll into a few vector registers
+   (with a runtime c the compilers tried kept the accumulators in memory, several times slower
+   than the torch ops); cerar_decode_supports refuses wider codes. */
+#define DEFINE_DECODE_FLOAT32(NAME, ACC)                                                    \
+    static void NAME(int64_t w, int64_t c, const float *x, const float *obs, int64_t ld,   \
+                     const ACC *dt, const ACC *wt, double scale, float *out) {              \
+        switch (c) {                                                                        \
+            case 1: DECODE_COLUMNS(1, ACC) break;                                           \
+            case 2: DECODE_COLUMNS(2, ACC) break;                                           \
+            case 3: DECODE_COLUMNS(3, ACC) break;                                           \
+            case 4: DECODE_COLUMNS(4, ACC) break;                                           \
+            case 5: DECODE_COLUMNS(5, ACC) break;                                           \
+            case 6: DECODE_COLUMNS(6, ACC) break;                                           \
+            case 7: DECODE_COLUMNS(7, ACC) break;                                           \
+            case 8: DECODE_COLUMNS(8, ACC) break;                                           \
+            case 9: DECODE_COLUMNS(9, ACC) break;                                           \
+            case 10: DECODE_COLUMNS(10, ACC) break;                                         \
+            case 11: DECODE_COLUMNS(11, ACC) break;                                         \
+            case 12: DECODE_COLUMNS(12, ACC) break;                                         \
+            case 13: DECODE_COLUMNS(13, ACC) break;                                         \
+            case 14: DECODE_COLUMNS(14, ACC) break;                                         \
+            case 15: DECODE_COLUMNS(15, ACC) break;                                         \
+            case 16: DECODE_COLUMNS(16, ACC) break;                                         \
+            case 17: DECODE_COLUMNS(17, ACC) break;                                         \
+            case 18: DECODE_COLUMNS(18, ACC) break;                                         \
+            case 19: DECODE_COLUMNS(19, ACC) break;                                         \
+            case 20: DECODE_COLUMNS(20, ACC) break;                                         \
+            case 21: DECODE_COLUMNS(21, ACC) break;                                         \
+            case 22: DECODE_COLUMNS(22, ACC) break;                                         \
+            case 23: DECODE_COLUMNS(23, ACC) break;                                         \
+            case 24: DECODE_COLUMNS(24, ACC) break;                                         \
+            case 25: DECODE_COLUMNS(25, ACC) break;                                         \
+            case 26: DECODE_COLUMNS(26, ACC) break;                                         \
+            case 27: DECODE_COLUMNS(27, ACC) break;                                         \
+            case 28: DECODE_COLUMNS(28, ACC) break;                                         \
+            case 29: DECODE_COLUMNS(29, ACC) break;                                         \
+            case 30: DECODE_COLUMNS(30, ACC) break;                                         \
+            case 31: DECODE_COLUMNS(31, ACC) break;                                         \
+            case 32: DECODE_COLUMNS(32, ACC) break;                                          \
+            default: break;                                                                 \
+        }                                                                                   \
+    }
+
+DEFINE_DECODE_FLOAT32(decode_f32, double)
+DEFINE_DECODE_FLOAT32(decode_f32_in_float_loops, float)
+
+#if ENCODE_VECTORISED
+/* In float, c = 8 G: a column's c accumulators in G registers. G is a constant of each
+   instance: with a runtime count the compilers tried kept the accumulators in memory, and each
+   multiply-add then waited on the previous one's store (slower than the loops). */
+#define DEFINE_DECODE_AVX(NAME, G)                                                                     \
+    static void NAME(int64_t w, const float *x, const float *obs, int64_t ld, const float *dt,        \
+                     const float *wt, double scale, float *out) {                                    \
+        const int64_t c = 8 * (G);                                                                     \
+        const __m256d factor = _mm256_set1_pd(scale);                                                  \
+        for (int64_t q = 0; q < w; ++q) {                                                              \
+            __m256 acc[G];                                                                             \
+            for (int g = 0; g < (G); ++g) acc[g] = _mm256_setzero_ps();                                \
+            const float *row = x + q * c;                                                              \
+            for (int64_t j = 0; j < c; ++j) {                                                          \
+                const __m256 value = _mm256_broadcast_ss(row + j);                                     \
+                for (int g = 0; g < (G); ++g)                                                          \
+                    acc[g] = _mm256_fmadd_ps(value, _mm256_loadu_ps(dt + j * c + 8 * g), acc[g]);      \
+            }                                                                                          \
+            for (int64_t s = 0; s < c; ++s) {                                                          \
+                const __m256 value = _mm256_broadcast_ss(obs + s * ld + q);                            \
+                for (int g = 0; g < (G); ++g)                                                          \
+                    acc[g] = _mm256_fmadd_ps(value, _mm256_loadu_ps(wt + s * c + 8 * g), acc[g]);      \
+            }                                                                                          \
+            for (int g = 0; g < (G); ++g) { /* times 2**q in double: it need not be a float */        \
+                const __m256d low = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(acc[g])), factor); \
+                const __m256d high = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(acc[g], 1)), factor); \
+                _mm256_storeu_ps(out + q * c + 8 * g, _mm256_set_m128(_mm256_cvtpd_ps(high), _mm256_cvtpd_ps(low))); \
+            }                                                                                          \
+        }                                                                                              \
+    }
+
+DEFINE_DECODE_AVX(decode_f32_in_float_8, 1)
+DEFINE_DECODE_AVX(decode_f32_in_float_16, 2)
+DEFINE_DECODE_AVX(decode_f32_in_float_24, 3)
+DEFINE_DECODE_AVX(decode_f32_in_float_32, 4)
+#endif
+
+static void decode_f32_in_float(int64_t w, int64_t c, const float *x, const float *obs, int64_t ld,
+                                const float *dt, const float *wt, double scale, float *out) {
+#if ENCODE_VECTORISED
+    if (c == 8) return decode_f32_in_float_8(w, x, obs, ld, dt, wt, scale, out);
+    if (c == 16) return decode_f32_in_float_16(w, x, obs, ld, dt, wt, scale, out);
+    if (c == 24) return decode_f32_in_float_24(w, x, obs, ld, dt, wt, scale, out);
+    if (c == 32) return decode_f32_in_float_32(w, x, obs, ld, dt, wt, scale, out);
+#endif
+    decode_f32_in_float_loops(w, c, x, obs, ld, dt, wt, scale, out);
+}
+
+/* 16-bit packets: a block of columns of every slot widened to float32 into a small scratch (a
+   vectorisable loop per slot), then decoded as float32 packets from there, in float: the
+   packets' own rounding dwarfs float32's (converting inside the column loop, one value at a
+   time, doubled the decode's time). */
+#define SCRATCH_VALUES 1024
+
+static void widen_f16(const void *base, int64_t first, int64_t n, float *into) {
+    const uint16_t *from = (const uint16_t *)base + first;
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(into + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from + i))));
+#endif
+    for (; i < n; ++i) into[i] = load_f16(from, i);
+}
+
+static void widen_bf16(const void *base, int64_t first, int64_t n, float *into) {
+    for (int64_t i = 0; i < n; ++i) into[i] = load_bf16(base, first + i);
+}
+
+#define DEFINE_DECODE_16(NAME, WIDEN)                                                       \
+    static void NAME(int64_t w, int64_t c, const float *x, const void *obs, int64_t ld,    \
+                     const float *dt, const float *wt, double scale, float *out) {          \
+        float scratch[SCRATCH_VALUES];                                                      \
+        const int64_t block = SCRATCH_VALUES / c;                                           \
+        for (int64_t q0 = 0; q0 < w; q0 += block) {                                         \
+            const int64_t width = w - q0 < block ? w - q0 : block;                          \
+            for (int64_t s = 0; s < c; ++s) WIDEN(obs, s * ld + q0, width, scratch + s * width); \
+            decode_f32_in_float(width, c, x + q0 * c, scratch, width, dt, wt, scale, out + q0 * c); \
+        }                                                                                   \
+    }
+
+DEFINE_DECODE_16(decode_f16, widen_f16)
+DEFINE_DECODE_16(decode_bf16, widen_bf16)
+
+/* Whether cerar_fused_decode takes codes of c components. */
+int cerar_decode_supports(int64_t c) { return c >= 1 && c <= MAX_C; }
+
+/* Returns 0, or -1 for an argument this kernel does not take (the caller then uses torch ops).
+   dt and wt are doubles for float32 packets, floats for 16-bit ones. */
+int cerar_fused_decode(int64_t w, int64_t c, const float *x, const void *obs, int64_t ld, int32_t packet,
+                       const void *dt, const void *wt, double scale, float *out) {
+    if (w < 0 || !cerar_decode_supports(c) || ld < w) return -1;
+    /* MAX_C * 32 <= SCRATCH_VALUES: a 16-bit block is at least 32 columns wide. */
+    switch (packet) {
+        case PACKET_F32: decode_f32(w, c, x, (const float *)obs, ld, dt, wt, scale, out); return 0;
+        case PACKET_F16: decode_f16(w, c, x, obs, ld, dt, wt, scale, out); return 0;
+        case PACKET_BF16: decode_bf16(w, c, x, obs, ld, dt, wt, scale, out); return 0;
+        default: return -1;
+    }
+}
+
+/* The build's ABI version: native.py refuses a library whose version it does not know. */
+int cerar_native_version(void) { return 2; }
