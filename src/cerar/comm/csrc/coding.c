@@ -14,11 +14,12 @@
 
    accumulated in double for float32 packets (the only precision whose decode error matches the
    float64 reference: the decoded sum cancels terms about a thousand times larger than itself)
-   and in float for 16-bit packets (whose own rounding dwarfs float's). x, the own rows, and out may be the same memory: a column's c outputs are written
-   only after its c inputs have been read. obs holds the c observation slots, ld values apart,
-   as float32, float16 or bfloat16 packets. dt is D transposed (dt[j*c + k] = D[k][j]) and wt is
-   W transposed (wt[s*c + k] = W[k][s]), both row-major c x c in the accumulator's type, so that one input value
-   updates c contiguous accumulators (vectorised across k).
+   and in float for 16-bit packets (whose own rounding dwarfs float's). x, the own rows, and out
+   may be the same memory: a column's c outputs are written only after its c inputs have been
+   read. obs holds the c observation slots, ld values apart, as float32, float16 or bfloat16
+   packets. dt is D transposed (dt[j*c + k] = D[k][j]) and wt is W transposed (wt[s*c + k] =
+   W[k][s]), both row-major c x c in the accumulator's type, so that one input value updates c
+   contiguous accumulators (vectorised across k).
 
    The torch ops these replace stream a float64 accumulator three times and widen every
    observation into a float64 scratch; this reads the input, the observations and writes the
@@ -32,8 +33,6 @@ enum { PACKET_F32 = 0, PACKET_F16 = 1, PACKET_BF16 = 2 };
 
 /* The widest code the decode is compiled for; wider ones decode with the torch ops. */
 #define MAX_C 32
-
-static inline float load_f32(const void *base, int64_t i) { return ((const float *)base)[i]; }
 
 static inline float load_bf16(const void *base, int64_t i) {
     uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
