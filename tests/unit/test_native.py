@@ -164,3 +164,14 @@ def test_encode_is_declined_where_it_is_not_written_for() -> None:
         assert native.fused_encoder(torch.ones(c + 2, c, dtype=torch.float64), torch.float32, cpu) is None
     assert native.fused_encoder(torch.ones(10, 8, dtype=torch.float64), torch.float64, cpu) is None
     assert native.fused_encoder(torch.ones(10, 8, dtype=torch.float64), torch.float32, torch.device("meta")) is None
+
+
+def test_a_cache_folder_that_cannot_be_written_builds_in_the_temp_folder(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = fresh.parent / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("CERAR_CACHE_DIR", str(blocker / "cache"))  # a folder under a file
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(fresh.parent / "tmp"))
+    _decoder(4, seed=8)
+    assert native.status().startswith(f"on: {fresh.parent / 'tmp'}"), native.status()

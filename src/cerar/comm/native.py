@@ -13,12 +13,12 @@ running while a piece is coded.
 Built once per machine and source into cerar's cache folder
 (:func:`cerar.coding.design_cache.cache_dir`: ``$CERAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/cerar``
 or ``~/.cache/cerar``; the file name hashes the source, the compiler and the CPU's flags, since
-it is built for the CPU it runs on), written atomically so that ranks building at once never
-load half a file. Where there is no compiler, the build fails, or
-``CERAR_NATIVE=0`` is set, :func:`fused_decoder` and :func:`fused_encoder` return None and the
-torch ops run instead; :func:`status` says which and why. The encode is vectorised by hand
-(AVX2) for codes of 8, 16, 24 or 32 components, the decode compiled for up to 32; elsewhere
-they return None.
+it is built for the CPU it runs on; where that folder cannot be written, a folder of the user's
+in the temp folder), written atomically so that ranks building at once never load half a file.
+Where there is no compiler, the build fails, or ``CERAR_NATIVE=0`` is set, :func:`fused_decoder`
+and :func:`fused_encoder` return None and the torch ops run instead; :func:`status` says which
+and why. The encode is vectorised by hand (AVX2) for codes of 8, 16, 24 or 32 components, the
+decode compiled for up to 32; elsewhere they return None.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import threading
 from importlib import resources
 from pathlib import Path
@@ -75,13 +76,25 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str, source: bytes) -> Path:
-    """The shared library for ``source``: the cached one, or a new build (atomic)."""
+    """The shared library for ``source``: the cached one, or a new build (atomic), in cerar's
+    cache folder or, where that cannot be written, a folder of this user's in the temp folder."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     parts = [version, " ".join(_FLAGS), _cpu_flags(), platform.machine()]
     key = hashlib.sha256(b"\0".join([source, *(part.encode() for part in parts)])).hexdigest()[:16]
-    target = cache_dir() / f"coding-{key}.so"
-    if target.exists():
-        return target
+    name = f"coding-{key}.so"
+    spare = Path(tempfile.gettempdir()) / f"cerar-{getattr(os, 'getuid', lambda: 'user')()}"
+    for folder in (cache_dir(), spare):
+        target = folder / name
+        if target.exists():
+            return target
+        try:
+            return _compile(compiler, source, target)
+        except OSError as exc:  # a cache folder that cannot be written: the next one
+            refused = exc
+    raise RuntimeError(f"no folder to build in: {refused}")
+
+
+def _compile(compiler: str, source: bytes, target: Path) -> Path:
     with atomic_path(target, suffix=".so") as tmp:
         src = tmp.with_suffix(".c")
         try:
