@@ -3,7 +3,9 @@ its build: cached, atomic, and off with a reason where it cannot be had."""
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -129,14 +131,18 @@ def test_a_compiler_that_fails_leaves_the_torch_ops(fresh: Path, monkeypatch: py
 
 def test_the_build_is_cached_and_leaves_no_temporary_files(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _decoder(4, seed=7)  # builds into the fresh cache
-    assert native.status() == f"on: {next(fresh.iterdir())}"
-    built = list(fresh.iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so", built
+
+    def listing() -> list[Path]:  # beside the library, only its build lock (a dot file)
+        return sorted(p for p in fresh.iterdir() if not (p.name.startswith(".") and p.name.endswith(".lock")))
+
+    built = listing()
+    assert len(built) == 1 and built[0].suffix == ".so", sorted(fresh.iterdir())
+    assert native.status() == f"on: {built[0]}"
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_status", None)  # a new process on the same machine
     monkeypatch.setattr(native, "_library", None)
     _decoder(4, seed=7)
-    assert list(fresh.iterdir()) == built and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert listing() == built and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
 
 
 @pytest.mark.parametrize("c", [8, 16, 24])
@@ -175,3 +181,33 @@ def test_a_cache_folder_that_cannot_be_written_builds_in_the_temp_folder(
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(fresh.parent / "tmp"))
     _decoder(4, seed=8)
     assert native.status().startswith(f"on: {fresh.parent / 'tmp'}"), native.status()
+
+
+def _build_counting(compiler: str, source: bytes, log: str) -> None:
+    compile_once = native._compile
+
+    def counted(*args: Path | str | bytes) -> Path:
+        with open(log, "a") as out:
+            out.write("built\n")
+        return compile_once(*args)  # type: ignore[arg-type]
+
+    native._compile = counted  # type: ignore[assignment]
+    native._build(compiler, source)
+
+
+def test_ranks_starting_at_once_build_once(fresh: Path, tmp_path: Path) -> None:
+    """Processes of one machine that find no library build it once, the others waiting for it."""
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = resources.files("cerar.comm").joinpath("csrc", "coding.c").read_bytes()
+    log = tmp_path / "builds.txt"
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=_build_counting, args=(compiler, source, str(log))) for _ in range(3)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    assert log.read_text() == "built\n"
+    assert [p.suffix for p in fresh.iterdir() if not p.name.endswith(".lock")] == [".so"]

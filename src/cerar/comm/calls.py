@@ -26,6 +26,7 @@ from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name
 from cerar.coding.scaling import ring_needs_scale, ring_scale_exponent
+from cerar.comm import native
 from cerar.comm.algorithms import Accept, CerarOutcome, CerarRun, cerar_scale_window, run_cerar, run_ring
 from cerar.comm.groups import count_call, group_state
 from cerar.comm.handshake import OpenHandshake, handshake, max_abs, open_handshake, settings_hash
@@ -140,6 +141,7 @@ def cerar_call(
         # same everywhere, so round 1 can leave beside the handshake (module handshake). CPU only:
         # on an accelerator the check would wait for the device inside the round loop.
         agreed_before = state.agreed.get(key) == settings and key in remembered and flat.device.type == "cpu"
+        native.warm(flat.device, flat.dtype)  # a machine's first build, before the ranks line up
         began = time.perf_counter()
         if agreed_before:
             exponent = remembered[key]

@@ -23,6 +23,7 @@ decode compiled for up to 32; elsewhere they return None.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -39,7 +41,12 @@ import torch
 from cerar._files import atomic_path
 from cerar.coding.design_cache import cache_dir
 
-__all__ = ["PACKET_KINDS", "FusedDecoder", "FusedEncoder", "fused_decoder", "fused_encoder", "status"]
+try:
+    import fcntl
+except ImportError:  # not POSIX: ranks may build at once, each writing the same file atomically
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["PACKET_KINDS", "FusedDecoder", "FusedEncoder", "fused_decoder", "fused_encoder", "status", "warm"]
 
 _SOURCE = "coding.c"
 _VERSION = 2  # cerar_native_version() of the source this module speaks to
@@ -88,10 +95,23 @@ def _build(compiler: str, source: bytes) -> Path:
         if target.exists():
             return target
         try:
-            return _compile(compiler, source, target)
+            with _exclusive(folder / f".{name}.lock"):  # one build per machine; the others wait for it
+                return target if target.exists() else _compile(compiler, source, target)
         except OSError as exc:  # a cache folder that cannot be written: the next one
             refused = exc
     raise RuntimeError(f"no folder to build in: {refused}")
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created): the ranks of a machine that start at once
+    then build once and load the same file at about the same time, instead of each spending
+    seconds of a shared core and reaching the first handshake seconds apart."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 def _compile(compiler: str, source: bytes, target: Path) -> Path:
@@ -146,6 +166,14 @@ def _load() -> ctypes.CDLL | None:
             return None
         _library, _status = library, f"on: {path}"
         return library
+
+
+def warm(device: torch.device, data: torch.dtype) -> None:
+    """Build or load the library now if a call on ``device`` with ``data`` will use it: a
+    collective calls this before its handshake, so that a machine's first build (seconds) is
+    over before the handshake lines the ranks up, not inside the rounds."""
+    if device.type == "cpu" and data == torch.float32:
+        _load()
 
 
 def status() -> str:
