@@ -81,6 +81,9 @@ def format_table(doc: dict[str, Any]) -> str:
             f"machine: {m.get('cpu_model')}, {m.get('usable_cpus')} cpus, load average before "
             f"{m.get('load_average_before')} after {m.get('load_average_after')}"
         )
+    coding = doc.get("versions", {}).get("cpu_coding")
+    if coding:
+        lines.append(f"CPU coding (cerar.comm.native): {coding}")
     for note in doc.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

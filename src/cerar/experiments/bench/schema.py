@@ -194,11 +194,15 @@ def versions() -> dict[str, Any]:
     import numpy
     import torch
 
+    from cerar.comm import native
+
     return {
         "cerar": __version__,
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "python": sys.version.split()[0],
+        # Whether the ranks' CPU coding is compiled C or torch ops (and why): it sets coding time.
+        "cpu_coding": native.status(),
     }
 
 
