@@ -301,7 +301,7 @@ class CerarRun:
         # On the CPU the coding is compiled where a compiler was found (cerar.comm.native): the
         # decode one pass per piece, the encode every round's increment of a piece in one pass;
         # elsewhere the torch ops below, a group of slots and a batch of rounds at a time.
-        self.fused = fused_decoder(plan.decode_own, plan.decode_obs * self.rows_scale, dtype, packet, device)
+        self.decoder = fused_decoder(plan.decode_own, plan.decode_obs * self.rows_scale, dtype, packet, device)
         self.encoder = fused_encoder(plan.increments / self.rows_scale, dtype, device)  # exact: a power of two
         self.pieces = segments(m, torch.empty((), dtype=packet).element_size())
         widest = max((b - a for a, b in self.pieces), default=0)
@@ -322,7 +322,7 @@ class CerarRun:
         self.totals: dict[int, torch.Tensor] = {}
         self.own_targets: dict[int, torch.Tensor] = {}
         self.folds: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        if self.fused is None:  # the torch ops' scratch: the fused decode needs none
+        if self.decoder is None:  # the torch ops' scratch: the fused decode needs none
             own = WORKSPACE.get("own_part", (c, widest), dtype, device)
             deepest = max(stop - start for start, stop in slot_groups(c))
             arrived = WORKSPACE.get("arrived", (deepest, widest), self.acc_dtype, device)
@@ -390,7 +390,7 @@ class CerarRun:
         upcoming = self.batch_of.get(t + 2) if self.encoder is None else None  # else all encoded in round 1
         batch = upcoming[0] if upcoming is not None and upcoming[1] == 0 else None
         fold: Action | None
-        if self.fused is not None:  # the whole decode in one pass, once the last slot is in
+        if self.decoder is not None:  # the whole decode in one pass, once the last slot is in
             fold = functools.partial(self._fused_decode, a, b) if t == self.rounds else None
         else:
             group = self.group_of_last_slot.get(t - self.first_observed)
@@ -496,8 +496,8 @@ class CerarRun:
         if self.data_exponent and b <= self.full_rows:  # the scaled copy's pieces are not flat's
             out = self.flat[a * c : b * c].view(b - a, c)
         f = self.front
-        assert self.fused is not None
-        self.fused.decode(rows, self.observations[:, f + a : f + b], math.ldexp(1.0, self.data_exponent), out)
+        assert self.decoder is not None
+        self.decoder.decode(rows, self.observations[:, f + a : f + b], math.ldexp(1.0, self.data_exponent), out)
         if b > self.full_rows:  # the copied last piece: its values back into flat
             self.flat[a * c :].copy_(out.view(-1)[: d - a * c])
         self.decode_s += time.perf_counter() - began

@@ -6,8 +6,8 @@ every observation into a float64 scratch and stream a float64 accumulator three 
 times the bytes the decode must move. The encode, every round's increment ``R_t X``: torch's
 ``(B, c) x (c, w)`` products read the input once per batch of ``B`` rounds. ``csrc/coding.c``
 reads the input once for all rounds' increments, and the input and the observations once for
-the decode. It needs no torch headers, so a plain C compiler builds it in well under a second;
-it is called through ctypes, which releases the GIL for the call, so the training threads keep
+the decode. It needs no torch headers, so a plain C compiler builds it, in a few seconds (one
+instance per code width); it is called through ctypes, which releases the GIL for the call, so the training threads keep
 running while a piece is coded.
 
 Built once per machine and source into cerar's cache folder
@@ -177,7 +177,7 @@ def warm(device: torch.device, data: torch.dtype) -> None:
 
 
 def status() -> str:
-    """Whether the compiled decode is in use (``"on: <library>"``) or why not (``"off: ..."``);
+    """Whether the compiled coding is in use (``"on: <library>"``) or why not (``"off: ..."``);
     builds it if that was not tried yet."""
     _load()
     if _switched_off():
