@@ -1,6 +1,7 @@
-"""The compiled CPU decode (cerar.comm.native) inside the collective, against the torch ops it
-replaces (``CERAR_NATIVE=0``), on the same inputs: the same sums within float32's rounding, no
-larger error, less memory, and the scaled paths (a huge rank, an odd size) alike."""
+"""The compiled CPU coding (cerar.comm.native: encode and decode) inside the collective, against
+the torch ops it replaces (``CERAR_NATIVE=0``), on the same inputs: the same sums within
+float32's rounding, no larger error, less memory, and the scaled paths (a huge rank, an odd
+size) alike."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _worker(rank: int, world: int, switch: str) -> dict[str, tuple[np.ndarray, f
     return results
 
 
-@pytest.mark.skipif(native.status().startswith("off"), reason=f"compiled decode unavailable: {native.status()}")
+@pytest.mark.skipif(native.status().startswith("off"), reason=f"compiled coding unavailable: {native.status()}")
 def test_compiled_decode_agrees_with_the_torch_ops() -> None:
     compiled = check(run_ranks(_worker, 4, "1", timeout=120))
     torch_ops = check(run_ranks(_worker, 4, "0", timeout=120))

@@ -312,7 +312,8 @@ class CerarRun:
         self.send = WORKSPACE.get("send", (2, f + m), packet, device)
         self.recv = WORKSPACE.get("recv", (2, f + m), packet, device)  # rounds before the first observation
         # Observation rounds receive straight into their slot (kept until the slot's group is
-        # folded); rounds before them into two alternating scratch packets.
+        # folded, or the compiled decode reads them all); rounds before them into two
+        # alternating scratch packets.
         self.observations = WORKSPACE.get("observations", (c, f + m), packet, device)
         # Per piece (keyed by its first column): its increments, contiguous: every round's (L, w)
         # with the compiled encode (the input read once), else a batch's (B, w) at a time.

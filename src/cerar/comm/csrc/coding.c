@@ -99,7 +99,7 @@ static inline void transpose8(__m256 r[8]) {
     r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-#define ENCODE_VECTORISED 1
+#define HAVE_AVX2 1 /* the encode below and the float decode's registers use it */
 static void encode_avx(int64_t w, int64_t c, int64_t rounds, const float *x, const float *rows, int64_t ld,
                        float *out) {
     __m256 xt[ENCODE_MAX_C];
@@ -127,17 +127,17 @@ static void encode_avx(int64_t w, int64_t c, int64_t rounds, const float *x, con
     }
 }
 #else
-#define ENCODE_VECTORISED 0
+#define HAVE_AVX2 0
 #endif
 
 /* Whether cerar_encode takes codes of c components. */
-int cerar_encode_supports(int64_t c) { return ENCODE_VECTORISED && c % 8 == 0 && c >= 8 && c <= ENCODE_MAX_C; }
+int cerar_encode_supports(int64_t c) { return HAVE_AVX2 && c % 8 == 0 && c >= 8 && c <= ENCODE_MAX_C; }
 
 /* Returns 0, or -1 for an argument this kernel does not take. rows is the L x c float32 matrix
    of increment rows (row-major), out the L increments, ld values apart. */
 int cerar_encode(int64_t w, int64_t c, int64_t rounds, const float *x, const float *rows, int64_t ld, float *out) {
     if (!cerar_encode_supports(c) || w < 0 || rounds < 0 || rounds > MAX_ROUNDS || ld < w) return -1;
-#if ENCODE_VECTORISED
+#if HAVE_AVX2
     encode_avx(w, c, rounds, x, rows, ld, out);
 #endif
     return 0;
@@ -214,7 +214,7 @@ int cerar_encode(int64_t w, int64_t c, int64_t rounds, const float *x, const flo
 DEFINE_DECODE_FLOAT32(decode_f32, double)
 DEFINE_DECODE_FLOAT32(decode_f32_in_float_loops, float)
 
-#if ENCODE_VECTORISED
+#if HAVE_AVX2
 /* In float, c = 8 G: a column's c accumulators in G registers. G is a constant of each
    instance: with a runtime count the compilers tried kept the accumulators in memory, and each
    multiply-add then waited on the previous one's store (slower than the loops). */
@@ -253,7 +253,7 @@ DEFINE_DECODE_AVX(decode_f32_in_float_32, 4)
 
 static void decode_f32_in_float(int64_t w, int64_t c, const float *x, const float *obs, int64_t ld,
                                 const float *dt, const float *wt, double scale, float *out) {
-#if ENCODE_VECTORISED
+#if HAVE_AVX2
     if (c == 8) return decode_f32_in_float_8(w, x, obs, ld, dt, wt, scale, out);
     if (c == 16) return decode_f32_in_float_16(w, x, obs, ld, dt, wt, scale, out);
     if (c == 24) return decode_f32_in_float_24(w, x, obs, ld, dt, wt, scale, out);
