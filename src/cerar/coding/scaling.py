@@ -74,6 +74,7 @@ _HEADROOM = 4  # binades kept below a dtype's overflow for what the bounds leave
 _NARROW_SPAN = 64  # a packet format with fewer binades follows the data (a target level)
 _GROWTH = 2  # binades between a narrow format's target and its top: room for the data to grow
 _FOLD_ROOM = 32  # binades of scale the decoder's weights can take before the input is copied
+_FOLLOW = 1  # binades a narrow format's level may drift from its target before the next call re-centres it
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,18 @@ class ScaleWindow:
             return math.ceil(level - self.target)
         # The exponent closest to 0 that puts ``level - e`` inside [bottom, top].
         return min(max(0, math.ceil(level - self.top)), math.floor(level - self.bottom))
+
+    def follow(self, max_abs: float, exponent: int) -> int:
+        """The ``e`` for the next call of a size whose call at ``e`` had inputs of largest
+        magnitude ``max_abs``: for a narrow format, re-centred on the target once the level has
+        drifted more than a binade from it, so that data drifting slowly (gradients over
+        training) stays inside the window and no call of it is redone (a redo sends the whole
+        call again); otherwise ``exponent``. Within a binade it stays, so that the packet scale
+        (and the layout's bound rows, which depend on it) does not change at every call."""
+        level = self.level(max_abs) if math.isfinite(max_abs) else None
+        if self.target is None or level is None or abs(level - exponent - self.target) <= _FOLLOW:
+            return exponent
+        return self.exponent_for(max_abs)
 
     def split(self, exponent: int) -> tuple[int, int]:
         """``(r, e - r)``: the part of ``e`` folded into the rows and the decoder (as close to

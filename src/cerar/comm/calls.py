@@ -184,7 +184,9 @@ def cerar_call(
             exponent = window.exponent_for(largest)
             call.rescales += 1
             outcome = run_cerar(flat, code, ring, call, scale_exponents=window.split(exponent), packet_dtype=packet)
-        remembered[key], state.agreed[key] = exponent, settings
+        # The next call's scale: this one's, or re-centred if the data has drifted (the maxima
+        # are every rank's, so every rank takes the same).
+        remembered[key], state.agreed[key] = window.follow(largest if outcome.written else 0.0, exponent), settings
         if not outcome.written:  # NaN/Inf: the same list on every rank, every input intact
             flagged = [r for r, v in enumerate(outcome.maxima) if not math.isfinite(v)]
             call.nonfinite_events += 1
