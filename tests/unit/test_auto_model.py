@@ -5,6 +5,7 @@ timings, two engines agreeing through a fake side group (threads) on differing t
 from __future__ import annotations
 
 import math
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -13,6 +14,7 @@ import pytest
 
 from cerar.comm.auto_candidates import Candidate, build_candidates, ring_error
 from cerar.comm.auto_engine import AutoConfig, AutoEngine
+from cerar.comm.auto_link import LinkClock
 from cerar.comm.auto_model import decide_slot, fit_cost_model
 from cerar.comm.auto_pins import PinnedTable
 
@@ -160,6 +162,56 @@ def test_engine_verify_and_step_check() -> None:
     # the model's compute, say): the whole plan becomes that method at the check.
     engine.begin_step(DECIDED + 2, now + 10.0)
     assert plan_of(engine) == {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "fastest")}
+
+
+@pytest.mark.parametrize("steps", [True, False])
+def test_engine_compares_a_slot_with_its_baseline_on_one_transport_only(steps: bool) -> None:
+    """After the decision 16-bit CERAR's large bucket measures 5% above the float16 ring's
+    trial calls, within its own prediction. In the collective (one call at a time) it goes back
+    to the ring; in DDP the ring is torch's (its calls overlap on Gloo's threads, cerar's queue),
+    so the calls are not compared and the steps judge."""
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity(), steps=steps)  # type: ignore[arg-type]
+
+    def timing(step: int, c: Candidate, v: int) -> float:
+        if step >= DECIDED and c is CERAR16:
+            assert true_time(FP16, v) * 1.05 < true_time(CERAR16, v) * (1 + CONFIG.verify_tol)
+            return true_time(FP16, v) * 1.05
+        return true_time(c, v)
+
+    drive(engine, range(DECIDED + 3), timing)
+    assert (plan_of(engine)[1] == ("fp16", "verify")) is not steps, plan_of(engine)
+
+
+@pytest.mark.parametrize("verified_holds", [True, False])
+def test_engine_keeps_a_verification_in_steps_only_if_its_steps_are_faster(verified_holds: bool) -> None:
+    """After the decision 16-bit CERAR's large bucket times 1.5x its prediction, so the
+    verification sends it to its baseline; in steps that plan runs one window and stays only if
+    its steps are faster (here the slow calls either do cost the step, or do not: the ring's
+    calls take the cores backward needs, say). Sent back, the bucket is not verified again."""
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    every = CONFIG.verify_every
+
+    def call_time(step: int, c: Candidate, v: int) -> float:
+        return true_time(c, v) * (1.5 if step >= DECIDED and c is CERAR16 else 1.0)
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:
+        extra = 1.0 if c is FP16 and v == SLOTS[1] and step >= DECIDED and not verified_holds else 0.0
+        return call_time(step, c, v) + extra
+
+    now, plans = 0.0, {}
+    for step in range(DECIDED + 3 * every + 1):
+        engine.begin_step(step, now)
+        plans[step] = plan_of(engine)
+        for slot, numel in SLOTS.items():
+            choice = engine.choose(step, slot, numel, 4 * numel)
+            candidate = engine.candidates[choice.candidate]
+            engine.measured(step, slot, choice.candidate, call_time(step, candidate, numel))
+            now += step_cost(step, candidate, numel)
+    assert plans[DECIDED][1] == ("cerar-fp16", "fastest")
+    assert plans[DECIDED + every][1] == ("fp16", "verify")
+    after = ("fp16", "verify") if verified_holds else ("cerar-fp16", "step")
+    assert plans[DECIDED + 2 * every][1] == after
+    assert plans[DECIDED + 3 * every][1] == after  # settled: not verified again
 
 
 @pytest.mark.parametrize("challenger_holds", [True, False])
@@ -359,3 +411,65 @@ def test_engines_that_measured_differently_cut_alike() -> None:
 def test_prune_tol_is_checked() -> None:
     with pytest.raises(ValueError, match="prune_tol"):
         AutoConfig(prune_tol=-0.1)
+
+
+def test_link_clock_splits_overlapping_calls() -> None:
+    clock = LinkClock({"cerar": 1, "torch": 1})  # both one call at a time (torch on NCCL)
+    # One transport: a call queued behind another is served from that one's completion.
+    a, b = clock.launch("cerar", 0.0), clock.launch("cerar", 1.0)
+    assert (clock.done(a, 3.0), clock.done(b, 5.0)) == (3.0, 2.0)
+    # Two transports: the second overlaps the first for 1 s, which they share.
+    c, d = clock.launch("cerar", 10.0), clock.launch("torch", 11.0)
+    assert clock.done(d, 12.0) == pytest.approx(0.5)
+    assert clock.done(c, 15.0) == pytest.approx(1.0 + 0.5 + 3.0)
+    # A torch call queued behind another, both beside one CERAR call.
+    e, f, g = clock.launch("cerar", 20.0), clock.launch("torch", 21.0), clock.launch("torch", 22.0)
+    assert clock.done(f, 23.0) == pytest.approx(1.0)  # 21..23, shared
+    assert clock.done(g, 24.0) == pytest.approx(0.5)  # served 23..24, shared
+    assert clock.done(e, 26.0) == pytest.approx(1.0 + 1.5 + 2.0)
+    # Gloo runs two of torch's calls side by side; a third waits for one of them.
+    gloo = LinkClock({"cerar": 1, "torch": 2})
+    f, g, h = gloo.launch("torch", 0.0), gloo.launch("torch", 1.0), gloo.launch("torch", 1.5)
+    assert gloo.done(g, 2.0) == pytest.approx(0.5)  # 1..2 beside f
+    assert gloo.done(f, 3.0) == pytest.approx(1.0 + 0.5 + 0.5)  # 0..1 alone, 1..3 shared (h from 2)
+    assert gloo.done(h, 4.0) == pytest.approx(0.5 + 1.0)
+
+
+@pytest.mark.parametrize("torch_servers", [1, 2])
+def test_link_clock_shares_add_up_to_the_busy_time(torch_servers: int) -> None:
+    """Random calls on two transports, against the union of their service intervals worked
+    out apart: the shares add up to the time the link was busy, none negative or longer than its
+    own service interval."""
+    servers = {"cerar": 1, "torch": torch_servers}
+    rng = random.Random(7)
+    for _ in range(50):
+        calls = []  # (launch, duration, transport)
+        for transport in ("cerar", "torch"):
+            t = 0.0
+            for _ in range(rng.randint(1, 6)):
+                t += rng.uniform(0.0, 2.0)
+                calls.append((t, rng.uniform(0.1, 3.0), transport))
+        # The service intervals, worked out without the clock: each call in launch order takes
+        # the transport's server that frees first.
+        intervals, free = {}, {name: [0.0] * count for name, count in servers.items()}
+        for i, (launch, duration, transport) in sorted(enumerate(calls), key=lambda item: item[1][0]):
+            first = min(range(len(free[transport])), key=free[transport].__getitem__)
+            begin = max(launch, free[transport][first])
+            free[transport][first] = begin + duration
+            intervals[i] = (launch, begin, begin + duration)
+        clock, events = LinkClock(servers), []
+        for i, (launch, _, end) in intervals.items():
+            events += [(launch, 0, i), (end, 1, i)]
+        tokens, shares = {}, {}
+        for time_s, kind, i in sorted(events):
+            if kind == 0:
+                tokens[i] = clock.launch(calls[i][2], time_s)
+            else:
+                shares[i] = clock.done(tokens[i], time_s)
+        union, reach = 0.0, -math.inf
+        for _, begin, end in sorted(intervals.values(), key=lambda v: v[1]):
+            union += max(0.0, end - max(begin, reach))
+            reach = max(reach, end)
+        assert sum(shares.values()) == pytest.approx(union)
+        for i, (_, begin, end) in intervals.items():
+            assert 0.0 < shares[i] <= end - begin + 1e-12

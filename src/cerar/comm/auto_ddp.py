@@ -10,10 +10,11 @@ predicted above ``max_error`` are left out. The schedule, the agreement and the 
 :class:`cerar.comm.auto_engine.AutoEngine`'s: exact warm-up steps, whole trial steps of each
 candidate (one whose steps are far slower than an earlier one's is cut short), then per bucket
 the smallest predicted time (CERAR only by a margin over the best exact/16-bit ring), verified
-online. The measured time of a bucket is its service time: from
-its launch, or from the previous bucket's completion on the same transport if later, to its
-completion. The engine's collectives run on a side Gloo group created with the hook's own group
-at the first bucket, never on DDP's group.
+online. The measured time of a bucket is its share of the link
+(:class:`cerar.comm.auto_link.LinkClock`): from its launch, or from the previous completion on
+its transport if later, to its completion, with the time it overlapped a call on the other
+transport split between them. The engine's collectives run on a side Gloo group created with the
+hook's own group at the first bucket, never on DDP's group.
 
 ``state.last_step`` (an :class:`AutoStep`) lists per bucket the method, the reason, and the
 predicted and measured seconds; ``state.plan`` the current choices, ``state.decisions`` every
@@ -37,6 +38,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from cerar.coding.code import MAX_ERROR, check_max_error
 from cerar.comm.auto_candidates import Candidate, build_candidates
 from cerar.comm.auto_engine import AutoConfig, AutoEngine, SideGroup, new_side_group
+from cerar.comm.auto_link import LinkClock
 from cerar.comm.auto_model import Choice
 from cerar.comm.ddp_state import CerarState, logger
 from cerar.comm.stats import CommStats
@@ -88,10 +90,10 @@ class AutoState(CerarState, method="auto"):
     """
 
     __slots__ = (
-        "_agreement", "_in_pass", "_queues", "auto", "candidates", "engine", "max_error", "refused",
+        "_agreement", "_in_pass", "_link", "auto", "candidates", "engine", "max_error", "refused",
         "torch_buckets", "torch_bytes",
     )  # fmt: skip
-    _NOT_PICKLED = (*CerarState._NOT_PICKLED, "_agreement", "_queues", "candidates", "engine", "refused")
+    _NOT_PICKLED = (*CerarState._NOT_PICKLED, "_agreement", "_link", "candidates", "engine", "refused")
     _STEP_RECORD = AutoStep
     _METHOD = "auto"
 
@@ -123,7 +125,7 @@ class AutoState(CerarState, method="auto"):
         self.engine: AutoEngine | None = None
         self._agreement: SideGroup | None = None
         self._in_pass = False
-        self._queues: dict[str, float] = {}
+        self._link = LinkClock()
 
     def resolve_group(self, coded: bool = True, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
         """The hook's group and, created right after it at the first bucket on every rank, the
@@ -134,6 +136,7 @@ class AutoState(CerarState, method="auto"):
             self._agreement = new_side_group(self.process_group)
             self.candidates, self.refused = build_candidates(self.world_size, self.max_error, self.auto.candidates)
             self.engine = AutoEngine(self.candidates, self.auto, self._agreement)
+            self._link = LinkClock({"cerar": 1, "torch": _torch_servers(group)})
         return group
 
     @property
@@ -253,7 +256,8 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if candidate.transport == "torch":
         state.torch_buckets += 1
         state.torch_bytes += round(candidate.bytes_per_value * buffer.numel())
-    return _chain(state, bucket, future, (step, choice, started, call, bucket_stats))
+    token = state._link.launch(candidate.transport, started)
+    return _chain(state, bucket, future, (step, choice, token, call, bucket_stats))
 
 
 def _chain(state: AutoState, bucket: dist.GradBucket, future: Any, launched: Any) -> torch.futures.Future[Any]:
@@ -265,12 +269,13 @@ def _chain(state: AutoState, bucket: dist.GradBucket, future: Any, launched: Any
                 return _tensor(fut.value())
             finally:
                 state.bucket_done(None, None)
-        step, choice, started, call, bucket_stats = launched
-        engine, candidate = state.engine, state.candidates[choice.candidate]
+        step, choice, token, call, bucket_stats = launched
+        share = state._link.done(token, time.perf_counter())  # also when the call failed
+        engine = state.engine
         try:
             try:
                 result = _tensor(fut.value())
-                seconds = _service_time(state, candidate.transport, started)
+                seconds = share
             except Exception as exc:
                 from cerar.comm.handshake import SettingsMismatchError
 
@@ -295,18 +300,17 @@ def _chain(state: AutoState, bucket: dist.GradBucket, future: Any, launched: Any
     return future.then(finish)
 
 
+def _torch_servers(group: dist.ProcessGroup) -> int:
+    """How many of torch's collectives on ``group`` run at once: Gloo's threads (two by
+    default), one on a backend without that option (NCCL's stream)."""
+    try:
+        return max(1, int(group._get_backend(torch.device("cpu")).options._threads))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return 1
+
+
 def _tensor(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, list) else value
-
-
-def _service_time(state: AutoState, transport: str, started: float) -> float:
-    """From the bucket's start, or the previous completion on the same transport if later
-    (the calls of one transport run one after another), to now."""
-    done = time.perf_counter()
-    with state._lock:
-        begin = max(started, state._queues.get(transport, 0.0))
-        state._queues[transport] = done
-    return done - begin
 
 
 def _exact_on_side_group(state: AutoState, buffer: torch.Tensor) -> torch.Tensor:
