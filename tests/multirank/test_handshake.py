@@ -153,6 +153,23 @@ def test_an_agreed_layout_still_raises_on_every_rank_and_the_next_call_works(kin
         assert agreed_calls == 3  # the repeats of 100 and 200, and the last call
 
 
+def _alternating_codes_worker(rank: int, world: int) -> tuple[int, float]:
+    """Two codes in turns at one size (a benchmark running methods side by side, or two models'
+    buckets of a size): each keeps its agreed layout although the other's calls come between."""
+    stats, worst = CommStats(), 0.0
+    for k in range(6):
+        x = torch.full((1000,), float(rank + k))
+        cerar.all_reduce(x, code=codes.perturbed(world, 8 if k % 2 else 4), stats=stats)
+        worst = max(worst, float((x - sum(r + k for r in range(world))).abs().max()))
+    return stats.agreed_calls, worst
+
+
+def test_codes_in_turns_keep_their_agreed_layouts() -> None:
+    for agreed_calls, worst in check(run_ranks(_alternating_codes_worker, 4, timeout=60)):
+        assert agreed_calls == 4, agreed_calls  # all but each code's first call
+        assert worst < 1e-2
+
+
 def _agreed_equals_first_worker(rank: int, world: int, packet: str) -> tuple[bool, int, int]:
     """The same input three times: the first call runs the whole handshake first, the next two
     the early path; the sums must be bitwise the same (the same scale, the same arithmetic)."""

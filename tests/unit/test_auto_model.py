@@ -212,6 +212,10 @@ def test_engine_keeps_a_verification_in_steps_only_if_its_steps_are_faster(verif
     after = ("fp16", "verify") if verified_holds else ("cerar-fp16", "step")
     assert plans[DECIDED + 2 * every][1] == after
     assert plans[DECIDED + 3 * every][1] == after  # settled: not verified again
+    # Undone, the restored plan still meets the step check (its steps against the fastest
+    # method's trial steps); a change that held was judged against newer steps and is kept.
+    first = ("fp16", "fastest") if verified_holds else ("cerar-fp16", "step")
+    assert plans[DECIDED + 3 * every][0] == first, plans[DECIDED + 3 * every]
 
 
 @pytest.mark.parametrize("challenger_holds", [True, False])

@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Launch N local ranks and time builtin (Gloo), the ring with float16 and bfloat16 wires, "
             "cerar (per c) with float32 and float16 packets and auto (method='auto', its calibration "
-            "untimed; ring, cerar-bf16 on request) for each size, on loopback (fast) and on "
+            "untimed; ring, cerar-bf16 on request) for each size, the methods of a size taking turns "
+            "call by call, on loopback (fast) and on "
             "namespaces with tc-limited links (slow, needs root, ip and tc; otherwise fast only). "
             "--nodes M --ranks-per-node G emulates M nodes: one namespace per node holding its G ranks "
             "(fast loopback inside), its one link limited to --rate, and adds hier-ring and hier-cerar "

@@ -461,14 +461,19 @@ class AutoEngine:
                 self.plan[s] = self._choice(s, challenger, "step", self.plan[s].baseline)
         else:
             plan, held_step = held
-            if plan_step >= held_step:
+            reverted = plan_step >= held_step
+            if reverted:
                 # Back to the held plan; after a verification's change, the slots it changed are
                 # judged by the steps from now on (not verified again, to change again).
                 self.plan = {
                     s: plan[s] if challenger is not None or plan[s] == self.plan[s] else replace(plan[s], reason="step")
                     for s in slots
                 }
-            self._contest, self._steps_checked = None, True
+            # A challenger's contest compared the plan with the fastest method's steps, and a
+            # verification's change that held was judged against newer steps than the trials';
+            # a verification's change undone leaves the step check due for the plan it restored.
+            self._contest = None
+            self._steps_checked = self._steps_checked or challenger is not None or not reverted
 
     def _check_steps(self, slots: list[int], plan_step: float) -> None:
         """A plan slower than the fastest single method's trial steps becomes that method."""

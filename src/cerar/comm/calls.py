@@ -137,10 +137,10 @@ def cerar_call(
         remembered = state.scale_exponents
         window = cerar_scale_window(code, flat.dtype, packet)
         settings = settings_hash(identity)
-        # A layout whose last call every rank completed, with these settings: its scale is the
-        # same everywhere, so round 1 can leave beside the handshake (module handshake). CPU only:
+        # A layout (size and settings) whose call every rank has completed before: its scale is
+        # the same everywhere, so round 1 can leave beside the handshake (module handshake). CPU only:
         # on an accelerator the check would wait for the device inside the round loop.
-        agreed_before = state.agreed.get(key) == settings and key in remembered and flat.device.type == "cpu"
+        agreed_before = (key, settings) in state.agreed and key in remembered and flat.device.type == "cpu"
         native.warm(flat.device, flat.dtype)  # a machine's first build, before the ranks line up
         began = time.perf_counter()
         if agreed_before:
@@ -186,7 +186,8 @@ def cerar_call(
             outcome = run_cerar(flat, code, ring, call, scale_exponents=window.split(exponent), packet_dtype=packet)
         # The next call's scale: this one's, or re-centred if the data has drifted (the maxima
         # are every rank's, so every rank takes the same).
-        remembered[key], state.agreed[key] = window.follow(largest if outcome.written else 0.0, exponent), settings
+        remembered[key] = window.follow(largest if outcome.written else 0.0, exponent)
+        state.agreed.add((key, settings))
         if not outcome.written:  # NaN/Inf: the same list on every rank, every input intact
             flagged = [r for r, v in enumerate(outcome.maxima) if not math.isfinite(v)]
             call.nonfinite_events += 1

@@ -31,9 +31,10 @@ class GroupState:
         stats: the group's cumulative :class:`CommStats` (``cerar.get_stats(group)``).
         scale_exponents: per ``(send_to, recv_from, size, packet precision)``, the packet scale
             exponent the last CERAR call of that size ended with.
-        agreed: per the same key, the settings hash of the last CERAR call of that size that
-            every rank completed: a call with the same settings is of an agreed layout
-            (:class:`cerar.comm.handshake.OpenHandshake`).
+        agreed: the ``(key, settings hash)`` pairs (the same key) of the CERAR calls that every
+            rank completed: a later call of one of them is of an agreed layout
+            (:class:`cerar.comm.handshake.OpenHandshake`), also when calls of other settings at
+            that size came between (two codes, or methods a benchmark runs in turns).
         nodes: per ``ranks_per_node``, the hierarchical path's node groups.
         ring: this process's :class:`cerar.comm.transport.Ring` over the group (``False`` if it
             is not a member), worked out by the first call (the group's membership is fixed).
@@ -42,7 +43,7 @@ class GroupState:
     calls: int = 0
     stats: CommStats = field(default_factory=CommStats)
     scale_exponents: dict[tuple[Any, ...], int] = field(default_factory=dict)
-    agreed: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    agreed: set[tuple[tuple[Any, ...], float]] = field(default_factory=set)
     nodes: dict[int, Any] = field(default_factory=dict)
     ring: Any = None
 

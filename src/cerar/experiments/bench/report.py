@@ -66,7 +66,8 @@ def format_table(doc: dict[str, Any]) -> str:
         lines += _model_lines(doc, regime)
         lines.append("")
     lines += [
-        "time: median over iterations of the slowest rank; x builtin: time / builtin's; x theory: bytes /",
+        "time: median over iterations of the slowest rank (a size's methods take turns, one call each per",
+        "iteration); x builtin: time / builtin's; x theory: bytes /",
         "builtin's bytes, (1+(N-2)/c)/(2(N-1)/N) for cerar; MB/rank: sent per rank (transport; theory for",
         "builtin); x wire: time / (MB per rank / measured link rate); worst err: max over ranks of",
         "||result - exact sum|| / ||exact sum||; x limit: (enc + dec) / the bytes the coding must move at",

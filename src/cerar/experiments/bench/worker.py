@@ -3,11 +3,13 @@
 Started by :func:`cerar.harness.launch.launch` (which sets ``RANK``, ``WORLD_SIZE``, ``MASTER_*``). For
 each case of the config (a method, its code, a message size) the rank runs, in the nccl-tests
 manner: warm-up iterations, then timed iterations with a barrier before each; an iteration's time
-is the slowest rank's. A separate pass afterwards checks the result against the exact sum, so
-the check never sits inside the timed loop. Rank 0 writes the records to the config's ``out``
-path after every case, atomically (a later failure keeps the earlier results, and the driver
-never reads half a file), and prints progress lines of kind ``bench`` (:mod:`cerar.harness.progress`,
-detail: the case's label) that the driver turns into a progress bar. The process starts and
+is the slowest rank's. The cases of one size take turns, one call each per iteration
+(:func:`run_size`), so that methods are compared side by side. A separate pass afterwards checks
+the result against the exact sum, so the check never sits inside the timed loop. Rank 0 writes
+the records to the config's ``out`` path after every size, atomically (a later failure keeps the
+earlier results, and the driver never reads half a file), and prints progress lines of kind
+``bench`` (:mod:`cerar.harness.progress`, detail: the case's label) that the driver turns into a
+progress bar. The process starts and
 stops as every rank does (:func:`cerar.harness.rank.rank_process`).
 
 With emulated nodes (``ranks_per_node`` G > 1) it also measures, per iteration, the bytes that
@@ -77,97 +79,140 @@ class _Progress:
             print_progress(PROGRESS_KIND, self.done, self.total, label)
 
 
-def run_case(case: dict[str, Any], config: dict[str, Any], x: Any, exact: Any, progress: _Progress) -> dict:
-    """Time one case on this rank and return the raw, cross-rank-reduced figures (all ranks)."""
-    import torch
-    import torch.distributed as dist
+class CaseRun:
+    """One case (a method, its code, a size) on this rank: calibrated, then timed one iteration at
+    a time (:meth:`time_one`), so that the cases of a size take turns, then checked and reduced
+    across ranks (:meth:`finish`)."""
 
-    from cerar.coding.code import Code
-    from cerar.comm.stats import CommStats
-    from cerar.experiments.bench.methods import get_method
+    def __init__(self, case: dict[str, Any], config: dict[str, Any]) -> None:
+        from cerar.coding.code import Code
+        from cerar.experiments.bench.methods import get_method
 
-    method = get_method(case["method"])
-    code = Code.from_dict(case["code"]) if case.get("code") else None
-    warmup, iters = int(config["warmup"]), int(case.get("iters", config["iters"]))
-    label = f"{method.name}" + (f" c={case['components']}" if method.coded else "") + f" {case['size_bytes'] >> 10}K"
-    buf = torch.empty_like(x)
-    times, encode, decode, handshake, sent, wire, node_wire = [], [], [], [], [], [], []
-    per_node = int(config.get("ranks_per_node", 1))
-    rank = dist.get_rank()
-    options = {name: case[name] for name in method.options}
-    calibration = 0
-    # A method that calibrates itself (auto) does so first, untimed, as many calls as it needs
-    # (every rank runs the same calls, so every rank knows the same answer).
-    while method.calibrating is not None and method.calibrating(x, **options) and calibration < MAX_CALIBRATION:
+        self.case, self.config = case, config
+        self.method = method = get_method(case["method"])
+        self.code = Code.from_dict(case["code"]) if case.get("code") else None
+        self.warmup, self.iters = int(config["warmup"]), int(case.get("iters", config["iters"]))
+        coded = f" c={case['components']}" if method.coded else ""
+        self.label = f"{method.name}{coded} {case['size_bytes'] >> 10}K"
+        self.options = {name: case[name] for name in method.options}
+        self.calibration = 0
+        self.times: list[float] = []
+        self.encode: list[float] = []
+        self.decode: list[float] = []
+        self.handshake: list[float] = []
+        self.sent: list[float] = []
+        self.wire: list[float] = []
+        self.node_wire: list[float] = []
+
+    def calibrate(self, x: Any, buf: Any) -> None:
+        """A method that calibrates itself (auto) does so first, untimed, as many calls as it
+        needs (every rank runs the same calls, so every rank knows the same answer)."""
+        import torch.distributed as dist
+
+        calibrating = self.method.calibrating
+        while calibrating is not None and calibrating(x, **self.options) and self.calibration < MAX_CALIBRATION:
+            buf.copy_(x)
+            dist.barrier()
+            self.method.call(buf, self.code, None, **self.options)
+            self.calibration += 1
+
+    def time_one(self, it: int, x: Any, buf: Any, progress: _Progress) -> None:
+        """Iteration ``it`` (warm-up first): one call from a barrier, timed on this rank."""
+        import torch.distributed as dist
+
+        from cerar.comm.stats import CommStats
+
+        per_node, rank = int(self.config.get("ranks_per_node", 1)), dist.get_rank()
         buf.copy_(x)
-        dist.barrier()
-        method.call(buf, code, None, **options)
-        calibration += 1
-    # Bytes leaving the node at the transport: every rank's for the hierarchical methods, the
-    # node's last rank's (its ring hop is the one out of the node) for the flat ones.
-    crosses = method.hierarchical or rank % per_node == per_node - 1
-    for it in range(warmup + iters):
-        buf.copy_(x)
-        stats = CommStats() if method.transport_stats else None
+        stats = CommStats() if self.method.transport_stats else None
         tx_before = _tx_bytes()
         dist.barrier()
         started = time.perf_counter()
-        method.call(buf, code, stats, **options)
+        self.method.call(buf, self.code, stats, **self.options)
         elapsed = time.perf_counter() - started
         tx_after = _tx_bytes()
-        if it >= warmup:
-            times.append(elapsed)
+        if it >= self.warmup:
+            self.times.append(elapsed)
             if stats is not None:
-                encode.append(stats.encode_s)
-                decode.append(stats.decode_s)
-                handshake.append(stats.handshake_s)
-                sent.append(stats.bytes_sent)
+                self.encode.append(stats.encode_s)
+                self.decode.append(stats.decode_s)
+                self.handshake.append(stats.handshake_s)
+                self.sent.append(stats.bytes_sent)
             if tx_before is not None and tx_after is not None:
-                wire.append(tx_after - tx_before)
-                node_wire.append(tx_after - tx_before if rank % per_node == 0 else 0)  # one reader per link
-        progress.tick(label)
+                self.wire.append(tx_after - tx_before)
+                self.node_wire.append(tx_after - tx_before if rank % per_node == 0 else 0)  # one reader per link
+        progress.tick(self.label)
 
-    # The accuracy pass: same input, untimed, compared with the exact float64 sum.
-    buf.copy_(x)
-    method.call(buf, code, None, **options)
-    diff = torch.linalg.vector_norm(buf.to(torch.float64) - exact)
-    error = float(diff / torch.linalg.vector_norm(exact))
-    progress.tick(label)
+    def finish(self, x: Any, exact: Any, buf: Any, progress: _Progress) -> dict:
+        """The accuracy pass (same input, untimed, against the exact float64 sum, never inside
+        the timed loop) and the raw figures, reduced across ranks (all ranks call it)."""
+        import torch
+        import torch.distributed as dist
 
-    def reduce_max(values: Sequence[float]) -> list[float]:
-        if not values:
-            return []
-        tensor = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+        buf.copy_(x)
+        self.method.call(buf, self.code, None, **self.options)
+        diff = torch.linalg.vector_norm(buf.to(torch.float64) - exact)
+        error = float(diff / torch.linalg.vector_norm(exact))
+        progress.tick(self.label)
+        per_node, rank = int(self.config.get("ranks_per_node", 1)), dist.get_rank()
 
-    def per_node_max(values: Sequence[float]) -> list[float]:
-        """Per iteration, the largest over nodes of the sum over each node's ranks."""
-        if not values:
-            return []
-        mine = torch.tensor(list(values), dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
-        stacked = torch.stack(everyone).view(-1, per_node, len(values)).sum(1)
-        return stacked.max(0).values.tolist()
+        def reduce_max(values: Sequence[float]) -> list[float]:
+            if not values:
+                return []
+            tensor = torch.tensor(list(values), dtype=torch.float64)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            return tensor.tolist()
 
-    inter_node = per_node_max([s if crosses else 0.0 for s in sent]) if sent else []
-    errors = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(errors, torch.tensor([error], dtype=torch.float64))
-    return {
-        "case": case,
-        "times_s": reduce_max(times),  # per iteration, the slowest rank
-        "encode_s": reduce_max(encode),
-        "decode_s": reduce_max(decode),
-        "handshake_s": reduce_max(handshake),
-        "bytes_sent": reduce_max(sent),
-        "wire_bytes": reduce_max(wire),
-        "inter_node_bytes": inter_node,
-        "node_wire_bytes": reduce_max(node_wire),
-        "rel_errors": [float(e.item()) for e in errors],
-        "copy_bandwidth": config.get("copy_bandwidth"),
-        "auto": _auto_choice(x, calibration) if method.calibrating is not None else None,
-    }
+        def per_node_max(values: Sequence[float]) -> list[float]:
+            """Per iteration, the largest over nodes of the sum over each node's ranks."""
+            if not values:
+                return []
+            mine = torch.tensor(list(values), dtype=torch.float64)
+            everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, mine)
+            stacked = torch.stack(everyone).view(-1, per_node, len(values)).sum(1)
+            return stacked.max(0).values.tolist()
+
+        # Bytes leaving the node at the transport: every rank's for the hierarchical methods, the
+        # node's last rank's (its ring hop is the one out of the node) for the flat ones.
+        crosses = self.method.hierarchical or rank % per_node == per_node - 1
+        inter_node = per_node_max([s if crosses else 0.0 for s in self.sent]) if self.sent else []
+        errors = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(errors, torch.tensor([error], dtype=torch.float64))
+        return {
+            "case": self.case,
+            "times_s": reduce_max(self.times),  # per iteration, the slowest rank
+            "encode_s": reduce_max(self.encode),
+            "decode_s": reduce_max(self.decode),
+            "handshake_s": reduce_max(self.handshake),
+            "bytes_sent": reduce_max(self.sent),
+            "wire_bytes": reduce_max(self.wire),
+            "inter_node_bytes": inter_node,
+            "node_wire_bytes": reduce_max(self.node_wire),
+            "rel_errors": [float(e.item()) for e in errors],
+            "copy_bandwidth": self.config.get("copy_bandwidth"),
+            "auto": _auto_choice(x, self.calibration) if self.method.calibrating is not None else None,
+        }
+
+
+def run_size(
+    cases: list[dict[str, Any]], config: dict[str, Any], x: Any, exact: Any, progress: _Progress
+) -> list[dict]:
+    """The cases of one size, side by side: each calibrates (auto), then iteration by iteration
+    every case takes one timed call in turn, so that a slow spell of the machine (four ranks
+    share two cores here) falls on every method alike instead of on whichever ran then; then
+    each is checked. Returns their records (all ranks)."""
+    import torch
+
+    runs = [CaseRun(case, config) for case in cases]
+    buf = torch.empty_like(x)
+    for run in runs:
+        run.calibrate(x, buf)
+    for it in range(max(run.warmup + run.iters for run in runs)):
+        for run in runs:
+            if it < run.warmup + run.iters:
+                run.time_one(it, x, buf, progress)
+    return [run.finish(x, exact, buf, progress) for run in runs]
 
 
 def _auto_choice(x: Any, calibration: int) -> dict[str, Any] | None:
@@ -210,16 +255,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress = _Progress(ticks, enabled=rank == 0)
         seed = int(config["seed"])
         records: list[dict] = []
-        current_size, x, exact = None, None, None
-        # Cases come sorted by size: one input and one exact sum per size.
-        for case in cases:
-            if case["size_bytes"] != current_size:
-                current_size = case["size_bytes"]
-                values = current_size // 4
-                x, exact = None, None  # free the previous size first
-                x = _inputs(values, seed, rank)
-                exact = _exact_sum(values, seed, world_size)
-            records.append(run_case(case, config, x, exact, progress))
+        # Cases come sorted by size: one input and one exact sum per size, its cases side by side.
+        sizes = sorted({case["size_bytes"] for case in cases}, key=[c["size_bytes"] for c in cases].index)
+        for size in sizes:
+            values = size // 4
+            x = _inputs(values, seed, rank)
+            exact = _exact_sum(values, seed, world_size)
+            records += run_size([c for c in cases if c["size_bytes"] == size], config, x, exact, progress)
+            del x, exact  # free this size before the next
             if rank == 0:
                 atomic_write_text(config["out"], json.dumps(records))
     return 0
