@@ -24,7 +24,10 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
 4. windows of ``verify_every`` steps by the plan, each agreed at its end: a slot by CERAR
    measured slower than predicted (by ``verify_tol``) or than its baseline goes to the
    baseline (``"verify"``). With steps (DDP), a call's time does not show what its coding
-   takes from backward, a step's does: if one method's trial steps were faster than the
+   takes from backward, a step's does: a slot is compared with its baseline's calls only on
+   one transport, and a verification's change runs the next window and stays only if that
+   window's median step is faster (otherwise the slots it changed come back as ``"step"``).
+   If one method's trial steps were faster than the
    plan's methods' by ``margin``, that method runs the second window everywhere (``"step"``)
    and the faster of the two windows' median steps is kept (two trial steps are too noisy to
    decide alone, ten steps of each are not). Otherwise, after the first window that ran the
@@ -437,9 +440,8 @@ class AutoEngine:
         """The baseline's measured calls at ``slot``, what a CERAR slot must beat; ``inf`` (no
         call comparison) in steps when the baseline runs on the other transport. A step's torch
         calls run side by side on Gloo's threads while cerar's queue on its one thread, so
-        their times per call are not on one footing (in traced steps at 25 Mbit/s the float16
-        ring's calls timed 20% below 16-bit CERAR's in steps 8% slower); there the steps judge
-        (the step check and the contest)."""
+        their times per call are not on one footing (the ring's calls can time shorter in steps
+        that take longer); there the steps judge (the step check and the contests)."""
         baseline, method = self.candidates[choice.baseline], self.candidates[choice.candidate]
         if self.steps and baseline.transport != method.transport:
             return math.inf
