@@ -123,6 +123,22 @@ def drive(engine: AutoEngine, steps: range, timing: Timing, slots: dict[int, int
     return now
 
 
+def drive_plans(engine: AutoEngine, steps: range, call_time: Timing, step_cost: Timing) -> dict[int, dict]:
+    """Like :func:`drive`, with the calls timed by ``call_time`` and the step by the sum of
+    ``step_cost`` (which may differ: what a method costs the step beyond its calls); returns
+    the plan at the start of each step."""
+    now, plans = 0.0, {}
+    for step in steps:
+        engine.begin_step(step, now)
+        plans[step] = plan_of(engine)
+        for slot, numel in SLOTS.items():
+            choice = engine.choose(step, slot, numel, 4 * numel)
+            candidate = engine.candidates[choice.candidate]
+            engine.measured(step, slot, choice.candidate, call_time(step, candidate, numel))
+            now += step_cost(step, candidate, numel)
+    return plans
+
+
 def plan_of(engine: AutoEngine) -> dict[int, tuple[str, str]]:
     return {s: (engine.candidates[c.candidate].name, c.reason) for s, c in engine.plan.items()}
 
@@ -198,15 +214,7 @@ def test_engine_keeps_a_verification_in_steps_only_if_its_steps_are_faster(verif
         extra = 1.0 if c is FP16 and v == SLOTS[1] and step >= DECIDED and not verified_holds else 0.0
         return call_time(step, c, v) + extra
 
-    now, plans = 0.0, {}
-    for step in range(DECIDED + 3 * every + 1):
-        engine.begin_step(step, now)
-        plans[step] = plan_of(engine)
-        for slot, numel in SLOTS.items():
-            choice = engine.choose(step, slot, numel, 4 * numel)
-            candidate = engine.candidates[choice.candidate]
-            engine.measured(step, slot, choice.candidate, call_time(step, candidate, numel))
-            now += step_cost(step, candidate, numel)
+    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), call_time, step_cost)
     assert plans[DECIDED][1] == ("cerar-fp16", "fastest")
     assert plans[DECIDED + every][1] == ("fp16", "verify")
     after = ("fp16", "verify") if verified_holds else ("cerar-fp16", "step")
@@ -237,15 +245,7 @@ def test_engine_contests_a_plan_with_the_fastest_trial_steps(challenger_holds: b
             extra = 2.0
         return call_time(c, v) + extra
 
-    now, plans = 0.0, {}
-    for step in range(DECIDED + 3 * every + 1):
-        engine.begin_step(step, now)
-        plans[step] = plan_of(engine)
-        for slot, numel in SLOTS.items():
-            choice = engine.choose(step, slot, numel, 4 * numel)
-            candidate = engine.candidates[choice.candidate]
-            engine.measured(step, slot, choice.candidate, call_time(candidate, numel))
-            now += step_cost(step, candidate, numel)
+    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), lambda step, c, v: call_time(c, v), step_cost)
     ring = {0: ("fp16", "fastest"), 1: ("fp16", "fastest")}
     cerar16 = {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "step")}
     assert plans[DECIDED] == ring and plans[DECIDED + every] == cerar16
