@@ -11,9 +11,9 @@ predicted above ``max_error`` are left out. The schedule, the agreement and the 
 candidate (one whose steps are far slower than an earlier one's is cut short), then per bucket
 the smallest predicted time (CERAR only by a margin over the best exact/16-bit ring), verified
 online. The measured time of a bucket is its share of the link
-(:class:`cerar.comm.auto_link.LinkClock`): from its launch, or from the previous completion on
-its transport if later, to its completion, with the time it overlapped a call on the other
-transport split between them. The engine's collectives run on a side Gloo group created with the
+(:class:`cerar.comm.auto_link.LinkClock`): from when its transport serves it (cerar's thread one
+call at a time, Gloo's threads a few) to its completion, with the time it overlapped other calls
+split among them. The engine's collectives run on a side Gloo group created with the
 hook's own group at the first bucket, never on DDP's group.
 
 ``state.last_step`` (an :class:`AutoStep`) lists per bucket the method, the reason, and the
