@@ -175,3 +175,44 @@ def test_cleanup_stale_removes_dead_runs_only() -> None:
     finally:
         for name in (stale, live):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+_CONNECT_AND_REPORT = """
+import socket, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+for _ in range(100):
+    try:
+        conn = socket.create_connection((host, port), timeout=5)
+        break
+    except OSError:
+        time.sleep(0.05)
+print(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode())
+"""
+_ACCEPT_ONE = """
+import socket, sys
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+server.settimeout(10)
+server.accept()[0].close()
+"""
+
+
+@pytest.mark.netns
+@needs_netns
+@pytest.mark.skipif(netem.congestion_control() != netem.CONGESTION_CONTROL, reason="kernel lacks cubic")
+def test_links_use_the_chosen_congestion_control() -> None:
+    # A connection between two rank namespaces gets the link's congestion control, whatever the
+    # machine's default is (BBR stalled the ring's bursts on shaped links: netem's module doc).
+    with netem.emulated_network(2) as net:
+        address, port = net.ranks[1].address, "5301"
+        server = subprocess.Popen([*net.exec_prefix(1), sys.executable, "-c", _ACCEPT_ONE, address, port])
+        try:
+            client = subprocess.run(
+                [*net.exec_prefix(0), sys.executable, "-c", _CONNECT_AND_REPORT, address, port],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        finally:
+            server.wait(timeout=30)
+    assert client.returncode == 0, client.stderr
+    assert client.stdout.strip() == netem.CONGESTION_CONTROL

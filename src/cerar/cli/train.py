@@ -318,6 +318,7 @@ def _launch_run(
         "ranks_per_node": args.ranks_per_node,
         "regime": result.regime,
         "rate": result.rate,
+        "congestion_control": result.congestion_control,
         "wall_s": result.wall_s,
         "link_rate_bytes_per_s": result.link_rate_bytes_per_s,
         "load_average_before": load_before,

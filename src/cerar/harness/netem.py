@@ -12,6 +12,13 @@ one namespace per *node* instead, ``cerar-<run_id>-n<k>`` with veth ``<tag>n<k>`
 through ``lo``: fast, unlimited), and the node's one shaped link to the bridge is shared by its
 ranks, like a node's NIC.
 
+Every link's TCP connections use :data:`CONGESTION_CONTROL` (cubic, Linux's default), set on the
+link's route, whatever the machine's default is: with BBR (some machines' and clouds' default)
+on a ``tbf``-shaped link, the ring's bursts of point-to-point messages, each waited for before
+the next, stalled now and then for tens of milliseconds (the socket holding unsent data while
+BBR's bandwidth estimate, taken from app-limited traffic, was far below the link's), which
+Gloo's own collectives seldom met; ``docs/results.md`` has the measurement.
+
 Every link is created directly inside its namespace, so nothing appears in the root namespace
 and deleting the namespaces removes every link. ``tag`` (``cx`` + 7 hex) keeps interface names
 within Linux's 15-character limit and unique to the run. Only addresses inside these namespaces
@@ -47,6 +54,11 @@ _NS_PATTERN = re.compile(r"^cerar-(\d+)-([0-9a-f]{4})-(hub|[rn]\d+)$")
 _RATE_PATTERN = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.I)
 _DELAY_PATTERN = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
 PROBE_PORT = 5201
+#: The TCP congestion control of every emulated link (see the module doc); if this kernel does
+#: not offer it, the links keep the machine's default (:func:`congestion_control` says which).
+CONGESTION_CONTROL = "cubic"
+_AVAILABLE_CC = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+_DEFAULT_CC = "/proc/sys/net/ipv4/tcp_congestion_control"
 MAX_RANKS = 250 * 200
 
 
@@ -88,6 +100,19 @@ class Network:
     def exec_prefix(self, rank: int) -> list[str]:
         """The argv prefix that runs a command inside ``rank``'s namespace."""
         return ["ip", "netns", "exec", self.ranks[rank].namespace]
+
+
+def congestion_control() -> str:
+    """The TCP congestion control the emulated links use: :data:`CONGESTION_CONTROL` if this
+    kernel offers it, else the machine's default (``"unknown"`` if neither can be read)."""
+    try:
+        with open(_AVAILABLE_CC) as available:
+            if CONGESTION_CONTROL in available.read().split():
+                return CONGESTION_CONTROL
+        with open(_DEFAULT_CC) as default:
+            return default.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def unavailable_reason() -> str | None:
@@ -138,6 +163,9 @@ def _run(argv: Sequence[str]) -> None:
         raise NetemUnavailable(f"command failed ({done.returncode}): {' '.join(argv)}: {detail}")
 
 
+_SUBNET = "10.99.0.0/16"  # every link's address (_address) lies in it
+
+
 def _address(rank: int) -> str:
     return f"10.99.{rank // 250}.{rank % 250 + 1}"
 
@@ -155,7 +183,8 @@ def emulated_network(
        share its loopback and its one link.
 
     Each namespace's egress is limited by ``tc tbf rate <rate> burst 256kb latency 100ms``; a
-    non-zero ``delay`` adds ``netem delay`` in front (needs the kernel's sch_netem). On exit,
+    non-zero ``delay`` adds ``netem delay`` in front (needs the kernel's sch_netem); its route
+    sets the TCP congestion control (:func:`congestion_control`). On exit,
     normal or not, every process still inside the namespaces is killed and the namespaces (and
     with them every link) are deleted.
 
@@ -211,6 +240,9 @@ def _add_rank(net: Network, link: RankLink, hub_side: str) -> None:
     _run(["ip", "-n", link.namespace, "link", "set", link.ifname, "up"])
     _run(["ip", "-n", link.namespace, "link", "set", "lo", "up"])
     _shape(link, net.rate, net.delay)
+    if congestion_control() == CONGESTION_CONTROL:  # the link's route: every connection over it
+        route = ["route", "replace", _SUBNET, "dev", link.ifname, "proto", "kernel", "scope", "link"]
+        _run(["ip", "-n", link.namespace, *route, "src", link.address, "congctl", CONGESTION_CONTROL])
 
 
 def _shape(link: RankLink, rate: str, delay: str) -> None:

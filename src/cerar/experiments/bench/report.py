@@ -35,6 +35,8 @@ def format_table(doc: dict[str, Any]) -> str:
             rate = info.get("link_rate_bytes_per_s")
             measured = f"{rate / 1e6:.1f} MB/s measured" if rate else "not measured"
             head += f", link {info.get('rate')} ({measured}), delay {info.get('delay')}"
+            if info.get("congestion_control"):
+                head += f", TCP {info['congestion_control']}"
         else:
             head += ", loopback, unlimited"
         lines += [head, ""]

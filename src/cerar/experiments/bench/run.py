@@ -223,6 +223,7 @@ def _run_regime(
     info: dict[str, Any] = {
         "rate": None,
         "delay": None,
+        "congestion_control": None,
         "link_rate_bytes_per_s": None,
         "error": None,
         "launcher": config.launcher,
@@ -259,6 +260,7 @@ def _run_regime(
                 info.update(
                     rate=config.rate,
                     delay=config.delay,
+                    congestion_control=result.congestion_control,
                     nominal_rate_bytes_per_s=netem.rate_bytes_per_s(config.rate),
                 )
         except LaunchError as exc:
