@@ -354,9 +354,9 @@ def test_command_line_defaults() -> None:
     # a flag given on the command line wins over --quick's preset
     quick = config_from_args(_args("--quick", "--iters", "3", "--sizes", "4M,64K", "--methods", "builtin,cerar"))
     assert quick.iters == 3 and quick.sizes_bytes == (64 << 10, 4 * MiB) and quick.methods == ("builtin", "cerar")
-    # iters from 4 MB up; below, proportionally more, at most 6x
-    assert [config.iterations_for(size) for size in (64 * MiB, 4 * MiB, 3 * MiB, MiB, 64 << 10)] == [5, 5, 7, 20, 30]
-    assert [quick.iterations_for(size) for size in (4 * MiB, 2 * MiB, 64 << 10)] == [3, 6, 18]
+    # iters from 16 MB up; below, proportionally more, at most 12x
+    assert [config.iterations_for(size) for size in (64 * MiB, 16 * MiB, 4 * MiB, 3 * MiB, MiB)] == [5, 5, 20, 27, 60]
+    assert [quick.iterations_for(size) for size in (16 * MiB, 4 * MiB, 2 * MiB, 64 << 10)] == [3, 12, 24, 36]
     assert config_from_args(_args("--timeout", "9", "--construction", "vandermonde")).timeout_s == 9.0
     with pytest.raises(ValueError, match="Argument 'components' must be a comma list of integers"):
         config_from_args(_args("-c", "four"))
@@ -434,8 +434,8 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
             ("auto", None),
         }
     for r in doc["results"]:
-        # --quick's 2 iterations, 6x at these small sizes (BenchConfig.iterations_for)
-        assert r["regime"] == "fast" and len(r["times_s"]) == r["iters"] == 12 and len(r["rel_errors"]) == 2
+        # --quick's 2 iterations, 12x at these small sizes (BenchConfig.iterations_for)
+        assert r["regime"] == "fast" and len(r["times_s"]) == r["iters"] == 24 and len(r["rel_errors"]) == 2
         assert r["time_min_s"] <= r["time_median_s"] <= r["time_max_s"]
         # Two ranks decode exactly whatever c is: float32 rounding only, or a 16-bit wire's.
         wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8, "cerar-fp16": 2.0**-11}.get(r["method"], 2.0**-24)

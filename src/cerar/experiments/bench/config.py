@@ -34,9 +34,9 @@ NODE_METHODS = ("builtin", "ring", "cerar", "hier-ring", "hier-cerar")  # the de
 MiB = 1 << 20
 DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 #: From this size up a case runs ``iters`` timed iterations (:meth:`BenchConfig.iterations_for`).
-FULL_ITERS_BYTES = 4 * MiB
+FULL_ITERS_BYTES = 16 * MiB
 #: A smaller size runs at most this many times ``iters``.
-MAX_ITERS_FACTOR = 6
+MAX_ITERS_FACTOR = 12
 QUICK_SIZES = (64 << 10, 256 << 10)
 
 
@@ -131,7 +131,7 @@ class BenchConfig:
     delay: str = field(default="0ms", metadata=flag("slow: added latency per link (needs netem)"))
     iters: int = field(
         default=5,
-        metadata=flag("timed iterations from 4 MB; smaller sizes up to 6x more", default_text="5; --quick 2"),
+        metadata=flag("timed iterations from 16 MB; smaller sizes up to 12x more", default_text="5; --quick 2"),
     )
     warmup: int = field(default=1, metadata=flag("warm-up iterations"))
     seed: int = field(default=0, metadata=flag("seed of the inputs"))
