@@ -1,0 +1,69 @@
+"""Per-call time spread (median, 90th percentile, maximum) of Gloo's all-reduce, cerar's float16
+ring and CERAR in float32 and float16 packets, taking turns call by call.
+
+    python -m cerar.harness.launch -N 4 --regime slow --rate 400mbit -- python benchmarks/call_tails.py
+    python -m cerar.harness.launch -N 4 --regime slow --rate 100mbit -- python benchmarks/call_tails.py --size 1M
+
+A DDP step sums many calls, so a call's rare slow ones cost a step as much as its median does:
+this shows them, where ``cerar bench`` reports medians. An iteration's time is the slowest rank's
+(a barrier before each call); rank 0 prints one line per method. Run it from two trees
+(``PYTHONPATH=<worktree>/src``) to compare transports or emulated links side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import cerar
+from cerar import codes
+from cerar._checks import parse_size
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="1M", help="bytes of float32 per call, e.g. 1M, 4M (default 1M)")
+    parser.add_argument("--calls", type=int, default=60, help="timed calls per method (default 60)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per method first (default 5)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    values = parse_size(args.size, "size") // 4
+    x = torch.randn(values, generator=torch.Generator().manual_seed(rank))
+    fp32_code, fp16_code = codes.perturbed(world, 2 * world), codes.optimized(world, 2 * world, "fp16")
+    methods: dict[str, Callable[[torch.Tensor], object]] = {
+        "builtin": dist.all_reduce,
+        "ring-fp16": functools.partial(cerar.ring_all_reduce, wire_dtype=torch.float16),
+        f"cerar c={2 * world}": functools.partial(cerar.all_reduce, code=fp32_code),
+        f"cerar-fp16 c={2 * world}": functools.partial(cerar.all_reduce, code=fp16_code, packet_dtype=torch.float16),
+    }
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(args.warmup + args.calls):
+        for name, call in methods.items():
+            work = x.clone()
+            dist.barrier()
+            started = time.perf_counter()
+            call(work)
+            elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(elapsed.item())
+    if rank == 0:
+        print(f"N = {world}, {args.size} of float32, {args.calls} calls each (ms, slowest rank):")
+        for name, seconds in times.items():
+            timed = [t * 1e3 for t in seconds[args.warmup :]]
+            p90 = statistics.quantiles(timed, n=10)[-1]
+            median = statistics.median(timed)
+            print(f"  {name:14s} median {median:7.1f}  p90 {p90:7.1f}  max {max(timed):7.1f}", flush=True)
+    cerar.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
