@@ -58,7 +58,6 @@ from cerar.harness.netem import (
     Network,
     check_delay,
     check_rate,
-    congestion_control,
     emulated_network,
     free_loopback_port,
     measure_link_rate,
@@ -100,7 +99,7 @@ class LaunchResult:
         rate: the ``tc`` rate limit in ``slow`` (``None`` in ``fast``).
         delay: the added one-way delay in ``slow`` (``None`` in ``fast``).
         congestion_control: the emulated links' TCP congestion control in ``slow``
-            (:func:`cerar.harness.netem.congestion_control`; ``None`` in ``fast``).
+            (:attr:`cerar.harness.netem.Network.congestion_control`; ``None`` in ``fast``).
         ranks_per_node: ranks on each (emulated) node; ``1``: a namespace per rank.
         run_id: the emulated network's id (``None`` in ``fast``); namespaces are
             ``cerar-<run_id>-*``.
@@ -201,7 +200,7 @@ def launch(
             regime=regime,
             rate=rate if net else None,
             delay=delay if net else None,
-            congestion_control=congestion_control() if net else None,
+            congestion_control=net.congestion_control if net else None,
             run_id=net.run_id if net else None,
             wall_s=wall_s,
             ranks_per_node=ranks_per_node,

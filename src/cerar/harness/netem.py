@@ -87,6 +87,7 @@ class Network:
     delay: str
     ranks: list[RankLink] = field(default_factory=list)
     ranks_per_node: int = 1
+    congestion_control: str = CONGESTION_CONTROL  # its links' TCP (:func:`congestion_control`)
 
     @property
     def namespaces(self) -> list[str]:
@@ -205,7 +206,10 @@ def emulated_network(
     rand = secrets.token_hex(2)
     run_id = f"{os.getpid()}-{rand}"
     tag = f"{IF_PREFIX}{rand}{os.getpid() % 4096:03x}"
-    net = Network(run_id, f"{NS_PREFIX}{run_id}-hub", f"{tag}br", rate, delay, ranks_per_node=ranks_per_node)
+    net = Network(
+        run_id, f"{NS_PREFIX}{run_id}-hub", f"{tag}br", rate, delay, ranks_per_node=ranks_per_node,
+        congestion_control=congestion_control(),
+    )  # fmt: skip
     created: list[str] = []
     try:
         created.append(net.hub)  # listed first: deleting a name that was never made is harmless
@@ -240,7 +244,7 @@ def _add_rank(net: Network, link: RankLink, hub_side: str) -> None:
     _run(["ip", "-n", link.namespace, "link", "set", link.ifname, "up"])
     _run(["ip", "-n", link.namespace, "link", "set", "lo", "up"])
     _shape(link, net.rate, net.delay)
-    if congestion_control() == CONGESTION_CONTROL:  # the link's route: every connection over it
+    if net.congestion_control == CONGESTION_CONTROL:  # the link's route: every connection over it
         route = ["route", "replace", _SUBNET, "dev", link.ifname, "proto", "kernel", "scope", "link"]
         _run(["ip", "-n", link.namespace, *route, "src", link.address, "congctl", CONGESTION_CONTROL])
 
