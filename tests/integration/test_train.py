@@ -220,6 +220,8 @@ def test_cerar_train_end_to_end(
         first_loss = json.loads((out / "runs" / f"{run['label']}.json").read_text())["ranks"][0]["evals"][0]
         assert run["final_val_loss"] < first_loss["val_loss"]  # every method learns
         assert run["bytes_per_step"] > 0 and run["step_s"] > 0 and run["exposed_comm_s"] >= 0
+        assert run["cpu_s_per_step"] is not None and run["cpu_s_per_step"] > 0  # the process's threads
+    assert "CPU/step (ms)" in printed
     assert runs["cerar-c4-s0"]["bytes_measured"] and not runs["allreduce-s0"]["bytes_measured"]
     assert runs["cerar-c4-s0"]["resyncs"] == 2  # steps 5 and 10
     assert runs["allreduce-s0"]["max_divergence"] == 0.0  # an exact all-reduce keeps replicas equal

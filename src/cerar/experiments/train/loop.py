@@ -119,9 +119,12 @@ def _step(
 ) -> dict[str, float]:
     """One optimizer step; return its loss and the phases' durations: forward; backward's
     compute; the communication left exposed after it; all of ``backward()``; the optimizer (the
-    re-sync included)."""
+    re-sync included); and the CPU time the rank's process spent in the step, all its threads
+    (training, cerar's communication thread, Gloo's): where ranks share cores, a method's CPU
+    beyond another's is taken from the ranks' compute, which the wall-clock phases show only
+    through the noise of the scheduler."""
     timeline.begin()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     earlier = 0.0
     if hook.micro_batches > 1:
         earlier, tokens = _accumulate(model, tokens, hook.micro_batches)
@@ -140,10 +143,11 @@ def _step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     resynced = hook.after_step(model.module)
-    end = time.perf_counter()
+    end, cpu_end = time.perf_counter(), time.process_time()
     return {
         "loss": float(loss.detach()) + earlier,
         "step_s": end - start,
+        "cpu_s": cpu_end - cpu_start,
         "forward_s": forward_end - start,
         "backward_compute_s": max(0.0, compute_end - forward_end),
         "exposed_comm_s": exposed,

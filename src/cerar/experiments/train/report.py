@@ -76,6 +76,7 @@ class RunSummary:
     collectives_per_step: float
     encode_s_per_step: float
     decode_s_per_step: float
+    cpu_s_per_step: float | None
     max_divergence: float
     final_divergence: float
     exact_final_divergence: float | None
@@ -154,6 +155,7 @@ def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
         collectives_per_step=all_steps("collectives"),
         encode_s_per_step=all_steps("encode_s"),
         decode_s_per_step=all_steps("decode_s"),
+        cpu_s_per_step=per_step("cpu_s") if all("cpu_s" in s for r in ranks for s in r["steps"]) else None,
         max_divergence=max(e["divergence"] for e in evals),
         final_divergence=evals[-1]["divergence"],
         exact_final_divergence=(first.get("final_divergence") or {}).get("exact"),
@@ -279,14 +281,16 @@ def format_table(
     """The summary table as text (also valid Markdown)."""
     header = (
         "| run | final val loss | time to target (s) | train time (s) | step (ms) | exposed comm (ms) "
-        "| bytes/step (MB) | bytes/token | syncs/step | max divergence | non-finite | resyncs | rescales |"
+        "| CPU/step (ms) | coding/step (ms) | bytes/step (MB) | bytes/token | syncs/step | max divergence "
+        "| non-finite | resyncs | rescales |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for s in summaries:
         kind = "measured" if s.bytes_measured else "computed"
         lines.append(
             f"| {s.label} | {s.final_val_loss:.4f} | {fmt(s.time_to_target_s, '.1f')} | {s.train_time_s:.1f} "
-            f"| {1e3 * s.step_s:.1f} | {1e3 * s.exposed_comm_s:.1f} | {s.bytes_per_step / 1e6:.3f} ({kind}) "
+            f"| {1e3 * s.step_s:.1f} | {1e3 * s.exposed_comm_s:.1f} | {fmt(_ms(s.cpu_s_per_step), '.1f')} "
+            f"| {1e3 * (s.encode_s_per_step + s.decode_s_per_step):.1f} | {s.bytes_per_step / 1e6:.3f} ({kind}) "
             f"| {s.bytes_per_token:.1f} | {s.syncs_per_step:.3f} "
             f"| {s.max_divergence:.2e} | {s.nonfinite_events} | {s.resyncs} | {s.rescales} |"
         )
@@ -331,6 +335,10 @@ def format_table(
                 f"| {fmt(c['saving_ratio'], '.2f')} |"
             )
     return "\n".join(lines + notes)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 def _tokens_note(summaries: Sequence[RunSummary]) -> str:
