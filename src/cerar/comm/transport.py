@@ -227,6 +227,35 @@ def post_pair(
     return pair_poster(ring, send.device, tag)(send, recv, round_index)
 
 
+def receive_poster(
+    ring: Ring, device: torch.device, tag: int = DATA_TAG
+) -> Callable[[torch.Tensor, int], dist.Work] | None:
+    """``post(recv, round_index) -> recv_work`` for a receive posted apart from its round's send
+    (CPU tensors on Gloo, see :func:`run_program`); None where a receive must go with its send
+    (NCCL's batches, :func:`pair_poster`)."""
+    if device.type != "cpu" or BATCH_ON_CPU:
+        return None
+    pg, source, _ = ring.endpoints
+    recv_on = pg.recv
+
+    def post_recv(recv: torch.Tensor, round_index: int) -> dist.Work:
+        try:
+            return recv_on([recv], source, tag)
+        except RuntimeError as exc:
+            raise _ring_error(ring, round_index, exc) from exc
+
+    return post_recv
+
+
+def post_send(ring: Ring, send: torch.Tensor, round_index: int, tag: int = DATA_TAG) -> dist.Work:
+    """Post one send to the successor (CPU tensors, whose receive went out ahead)."""
+    pg, _, destination = ring.endpoints
+    try:
+        return pg.send([send], destination, tag)
+    except RuntimeError as exc:
+        raise _ring_error(ring, round_index, exc) from exc
+
+
 _SEGMENT_BYTES = 256 * 1024
 _MAX_SEGMENTS = 16
 
@@ -279,10 +308,19 @@ def run_program(
     For round ``t`` and piece ``s``: once piece ``s`` of round ``t - 1`` has arrived, its
     ``received`` runs (on the critical path: keep it to what the next ``prepare`` needs); once
     round ``t - 2``'s send of the piece is done (its send buffer alternates with the round's
-    parity), ``prepare`` fills ``send``, and ``recv`` and ``send`` are posted; then round
-    ``t - 1``'s ``landed`` runs, while round ``t``'s piece is on the wire, so compute placed
-    there overlaps the transfers (it may still read what arrived in round ``t - 1``: that buffer
-    is reused only by round ``t + 1``). ``posted[t]`` runs once all of round ``t`` is on the wire.
+    parity), ``prepare`` fills ``send``, and ``send`` is posted (with round ``t``'s receive,
+    unless that was posted a round ahead); then round ``t - 1``'s ``landed`` runs, while round
+    ``t``'s piece is on the wire, so compute placed there overlaps the transfers (it may still
+    read what arrived in round ``t - 1``). ``posted[t]`` runs once all of round ``t`` is on the
+    wire.
+
+    On Gloo a send waits until its peer has posted the matching receive (the receiver tells the
+    sender so, a message back across the link), so a receive posted only beside the round's own
+    send leaves that notice on the critical path of every piece. CPU tensors therefore post each
+    receive a round ahead: all of round 2's once round 1 is on the wire (and past ``gate``), and
+    round ``t + 1``'s piece ``s`` once round ``t``'s piece ``s`` is posted and its ``landed`` has
+    run, when nothing reads the buffer it lands in any more (the receives stay in the order the
+    peer sends, which Gloo matches them by).
 
     ``gate`` (a handshake's last hops) runs once round 1 is on the wire, before anything waits
     for it; if it raises, the messages already posted are waited for first (their peers posted
@@ -290,14 +328,18 @@ def run_program(
     """
     rounds = program.rounds
     post = pair_poster(ring, program.device, tag)
+    ahead = receive_poster(ring, program.device, tag)  # None: receives go with their sends
+    last = len(rounds)
     width = len(rounds[0]) if rounds else 0
-    recvs: list[Any] = [None] * width
+    recvs: list[Any] = [None] * width  # round t's receives while round t runs
+    upcoming: list[Any] = [None] * width  # round t + 1's, posted ahead
     sends: list[list[Any]] = [[None] * width, [None] * width]
     stats.bytes_sent += program.bytes_sent
     stats.bytes_received += program.bytes_received
     previous: list[Piece] = []
     for t, pieces in enumerate(rounds, start=1):
         pending = sends[t % 2]
+        early = ahead is not None and t >= 2  # this round's receives went out a round ago
         for s, piece in enumerate(pieces):
             if previous:
                 wait_for(recvs[s], ring, t - 1)
@@ -307,9 +349,16 @@ def run_program(
                 wait_for(pending[s], ring, t - 2)
             if piece.prepare is not None:
                 piece.prepare()
-            recvs[s], pending[s] = post(piece.send, piece.recv, t)
+            if early:
+                recvs[s] = upcoming[s]
+                pending[s] = post_send(ring, piece.send, t, tag)
+            else:
+                recvs[s], pending[s] = post(piece.send, piece.recv, t)
             if previous and previous[s].landed is not None:
                 previous[s].landed()
+            if early and t < last:
+                assert ahead is not None
+                upcoming[s] = ahead(rounds[t][s].recv, t + 1)
         stats.rounds += 1
         after = program.posted.get(t)
         if after is not None:
@@ -320,8 +369,9 @@ def run_program(
             except BaseException:
                 _drain(ring, [*recvs, *sends[1]])
                 raise
+        if t == 1 and ahead is not None and last >= 2:
+            upcoming = [ahead(piece.recv, 2) for piece in rounds[1]]  # round 2's buffers are free
         previous = pieces
-    last = len(rounds)
     for s, piece in enumerate(previous):
         wait_for(recvs[s], ring, last)
         if piece.received is not None:
