@@ -1,6 +1,8 @@
 """Per-call time spread (median, 90th percentile, maximum) of Gloo's all-reduce, cerar's float16
 ring and CERAR in float32 and float16 packets, taking turns call by call, and the CPU time each
-call costs its process (user and system, every thread: Gloo's, cerar's communication thread).
+call costs its process (user and system, every thread: Gloo's, cerar's communication thread),
+beside the point-to-point messages 16-bit CERAR posts per call sent alone, without its coding or
+its Python (``p2p alone``): what the messages themselves cost.
 
     python -m cerar.harness.launch -N 4 --regime slow --rate 400mbit -- python benchmarks/call_tails.py
     python -m cerar.harness.launch -N 4 --regime slow --rate 100mbit -- python benchmarks/call_tails.py --size 1M
@@ -29,6 +31,7 @@ import torch.distributed as dist
 import cerar
 from cerar import codes
 from cerar._checks import parse_size
+from cerar.comm.handshake import dissemination_distances
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         "ring-fp16": functools.partial(cerar.ring_all_reduce, wire_dtype=torch.float16),
         f"cerar c={2 * world}": functools.partial(cerar.all_reduce, code=fp32_code),
         f"cerar-fp16 c={2 * world}": functools.partial(cerar.all_reduce, code=fp16_code, packet_dtype=torch.float16),
+        "p2p alone": _messages_alone(world, values, 2 * world),
     }
     times: dict[str, list[float]] = {name: [] for name in methods}
     cpu = {name: torch.zeros(2, dtype=torch.float64) for name in methods}  # user, system seconds
@@ -81,6 +85,32 @@ def main(argv: list[str] | None = None) -> None:
             )
     cerar.shutdown()
     dist.destroy_process_group()
+
+
+def _messages_alone(world: int, values: int, components: int) -> Callable[[torch.Tensor], object]:
+    """The messages of one 16-bit CERAR call of a layout the ranks agreed before, each waited for
+    in turn: the handshake (its header to both ring neighbours, then one hop per further
+    dissemination distance) and ``c + N - 2`` rounds of ``values / c`` float16 values."""
+    rank, pg = dist.get_rank(), dist.group.WORLD
+    header, arrived = torch.zeros(6, dtype=torch.float64), torch.empty(2, 6, dtype=torch.float64)
+    packet = torch.zeros(-(-values // components), dtype=torch.float16)
+    landed = torch.empty_like(packet)
+    hops = [(1, packet, landed)] * (components + world - 2)
+
+    def messages(_: torch.Tensor) -> None:
+        works = [
+            pg.recv([arrived[0]], (rank - 1) % world, 5), pg.recv([arrived[1]], (rank + 1) % world, 5),
+            pg.send([header], (rank + 1) % world, 5), pg.send([header], (rank - 1) % world, 5),
+        ]  # fmt: skip
+        for work in works:
+            work.wait()
+        for distance, sent, received in [(d, header, arrived[0]) for d in dissemination_distances(world)[1:]] + hops:
+            recv_work = pg.recv([received], (rank - distance) % world, 6)
+            send_work = pg.send([sent], (rank + distance) % world, 6)
+            recv_work.wait()
+            send_work.wait()
+
+    return messages
 
 
 def _gloo_fp16(tensor: torch.Tensor) -> None:
