@@ -4,8 +4,7 @@ error budget, decided from the calls themselves, the same on every rank.
 The calls of one size (and dtype, op, budget) on one group form a stream that an
 :class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
 exact, then ``trials`` calls of each candidate (six by default, :data:`COLLECTIVE_CONFIG`),
-in turns (rounds of one call each, the first fewest bytes first, every other one reversed), a
-hopeless one cut once two counted calls showed it
+fewest bytes first, a hopeless one cut once two counted calls showed it
 (:mod:`cerar.comm.auto_candidates`, collective context: ``exact`` is
 ``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a float16 wire, CERAR
 with float32 and float16 packets), then the decision, agreed on a side
