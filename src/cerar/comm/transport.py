@@ -190,16 +190,12 @@ def pair_poster(ring: Ring, device: torch.device, tag: int = DATA_TAG) -> Post:
     messages would otherwise repeat). Posting to a pair whose peer has gone raises at once, not on
     wait: :class:`RingError`.
     """
-    if device.type == "cpu" and not BATCH_ON_CPU:
-        pg, source, destination = ring.endpoints
-        recv_on, send_on = pg.recv, pg.send
+    apart = apart_posters(ring, device, tag)
+    if apart is not None:
+        post_recv, post_send = apart
 
         def post_cpu(send: torch.Tensor, recv: torch.Tensor, round_index: int) -> tuple[dist.Work, dist.Work]:
-            try:
-                recv_work = recv_on([recv], source, tag)
-                return recv_work, send_on([send], destination, tag)
-            except RuntimeError as exc:
-                raise _ring_error(ring, round_index, exc) from exc
+            return post_recv(recv, round_index), post_send(send, round_index)
 
         return post_cpu
 
@@ -227,16 +223,17 @@ def post_pair(
     return pair_poster(ring, send.device, tag)(send, recv, round_index)
 
 
-def receive_poster(
-    ring: Ring, device: torch.device, tag: int = DATA_TAG
-) -> Callable[[torch.Tensor, int], dist.Work] | None:
-    """``post(recv, round_index) -> recv_work`` for a receive posted apart from its round's send
-    (CPU tensors on Gloo, see :func:`run_program`); None where a receive must go with its send
-    (NCCL's batches, :func:`pair_poster`)."""
+PostOne = Callable[[torch.Tensor, int], dist.Work]
+
+
+def apart_posters(ring: Ring, device: torch.device, tag: int = DATA_TAG) -> tuple[PostOne, PostOne] | None:
+    """``(post_recv, post_send)``, each ``post(tensor, round_index) -> work``, for a receive and a
+    send posted apart (CPU tensors on Gloo: :func:`pair_poster`, :func:`run_program`); None
+    where a receive must go with its send in one batch (NCCL's, :func:`pair_poster`)."""
     if device.type != "cpu" or BATCH_ON_CPU:
         return None
-    pg, source, _ = ring.endpoints
-    recv_on = pg.recv
+    pg, source, destination = ring.endpoints
+    recv_on, send_on = pg.recv, pg.send
 
     def post_recv(recv: torch.Tensor, round_index: int) -> dist.Work:
         try:
@@ -244,16 +241,13 @@ def receive_poster(
         except RuntimeError as exc:
             raise _ring_error(ring, round_index, exc) from exc
 
-    return post_recv
+    def post_send(send: torch.Tensor, round_index: int) -> dist.Work:
+        try:
+            return send_on([send], destination, tag)
+        except RuntimeError as exc:
+            raise _ring_error(ring, round_index, exc) from exc
 
-
-def post_send(ring: Ring, send: torch.Tensor, round_index: int, tag: int = DATA_TAG) -> dist.Work:
-    """Post one send to the successor (CPU tensors, whose receive went out ahead)."""
-    pg, _, destination = ring.endpoints
-    try:
-        return pg.send([send], destination, tag)
-    except RuntimeError as exc:
-        raise _ring_error(ring, round_index, exc) from exc
+    return post_recv, post_send
 
 
 _SEGMENT_BYTES = 256 * 1024
@@ -328,7 +322,7 @@ def run_program(
     """
     rounds = program.rounds
     post = pair_poster(ring, program.device, tag)
-    ahead = receive_poster(ring, program.device, tag)  # None: receives go with their sends
+    apart = apart_posters(ring, program.device, tag)  # None: receives go with their sends
     last = len(rounds)
     width = len(rounds[0]) if rounds else 0
     recvs: list[Any] = [None] * width  # round t's receives while round t runs
@@ -339,7 +333,7 @@ def run_program(
     previous: list[Piece] = []
     for t, pieces in enumerate(rounds, start=1):
         pending = sends[t % 2]
-        early = ahead is not None and t >= 2  # this round's receives went out a round ago
+        early = apart is not None and t >= 2  # this round's receives went out a round ago
         for s, piece in enumerate(pieces):
             if previous:
                 wait_for(recvs[s], ring, t - 1)
@@ -350,15 +344,15 @@ def run_program(
             if piece.prepare is not None:
                 piece.prepare()
             if early:
+                assert apart is not None
                 recvs[s] = upcoming[s]
-                pending[s] = post_send(ring, piece.send, t, tag)
+                pending[s] = apart[1](piece.send, t)
             else:
                 recvs[s], pending[s] = post(piece.send, piece.recv, t)
             if previous and previous[s].landed is not None:
                 previous[s].landed()
             if early and t < last:
-                assert ahead is not None
-                upcoming[s] = ahead(rounds[t][s].recv, t + 1)
+                upcoming[s] = apart[0](rounds[t][s].recv, t + 1)
         stats.rounds += 1
         after = program.posted.get(t)
         if after is not None:
@@ -369,8 +363,8 @@ def run_program(
             except BaseException:
                 _drain(ring, [*recvs, *sends[1]])
                 raise
-        if t == 1 and ahead is not None and last >= 2:
-            upcoming = [ahead(piece.recv, 2) for piece in rounds[1]]  # round 2's buffers are free
+        if t == 1 and apart is not None and last >= 2:
+            upcoming = [apart[0](piece.recv, 2) for piece in rounds[1]]  # round 2's buffers are free
         previous = pieces
     for s, piece in enumerate(previous):
         wait_for(recvs[s], ring, last)
