@@ -2,7 +2,8 @@
 ring and CERAR in float32 and float16 packets, taking turns call by call, and the CPU time each
 call costs its process (user and system, every thread: Gloo's, cerar's communication thread),
 beside the point-to-point messages 16-bit CERAR posts per call sent alone, without its coding or
-its Python (``p2p alone``): what the messages themselves cost.
+its Python (``p2p alone``): what the messages themselves cost; ``rounds alone`` leaves out the
+handshake's messages too, the floor of any engine that runs CERAR's rounds on this transport.
 
     python -m cerar.harness.launch -N 4 --regime slow --rate 400mbit -- python benchmarks/call_tails.py
     python -m cerar.harness.launch -N 4 --regime slow --rate 100mbit -- python benchmarks/call_tails.py --size 1M
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         "ring-fp16": functools.partial(cerar.ring_all_reduce, wire_dtype=torch.float16),
         f"cerar c={2 * world}": functools.partial(cerar.all_reduce, code=fp32_code),
         f"cerar-fp16 c={2 * world}": functools.partial(cerar.all_reduce, code=fp16_code, packet_dtype=torch.float16),
-        "p2p alone": _messages_alone(world, values, 2 * world),
+        "p2p alone": _messages_alone(world, values, 2 * world, handshake=True),
+        "rounds alone": _messages_alone(world, values, 2 * world, handshake=False),
     }
     times: dict[str, list[float]] = {name: [] for name in methods}
     cpu = {name: torch.zeros(2, dtype=torch.float64) for name in methods}  # user, system seconds
@@ -87,10 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def _messages_alone(world: int, values: int, components: int) -> Callable[[torch.Tensor], object]:
+def _messages_alone(world: int, values: int, components: int, handshake: bool) -> Callable[[torch.Tensor], object]:
     """The messages of one 16-bit CERAR call of a layout the ranks agreed before, each waited for
     in turn: the handshake (its header to both ring neighbours, then one hop per further
-    dissemination distance) and ``c + N - 2`` rounds of ``values / c`` float16 values."""
+    dissemination distance; left out with ``handshake=False``) and ``c + N - 2`` rounds of
+    ``values / c`` float16 values. Without the handshake it is the floor of any engine that runs
+    CERAR's rounds as messages on this transport."""
     rank, pg = dist.get_rank(), dist.group.WORLD
     header, arrived = torch.zeros(6, dtype=torch.float64), torch.empty(2, 6, dtype=torch.float64)
     packet = torch.zeros(-(-values // components), dtype=torch.float16)
@@ -98,13 +102,18 @@ def _messages_alone(world: int, values: int, components: int) -> Callable[[torch
     hops = [(1, packet, landed)] * (components + world - 2)
 
     def messages(_: torch.Tensor) -> None:
+        if not handshake:
+            return rounds([])
         works = [
             pg.recv([arrived[0]], (rank - 1) % world, 5), pg.recv([arrived[1]], (rank + 1) % world, 5),
             pg.send([header], (rank + 1) % world, 5), pg.send([header], (rank - 1) % world, 5),
         ]  # fmt: skip
         for work in works:
             work.wait()
-        for distance, sent, received in [(d, header, arrived[0]) for d in dissemination_distances(world)[1:]] + hops:
+        return rounds(dissemination_distances(world)[1:])
+
+    def rounds(distances: list[int]) -> None:
+        for distance, sent, received in [(d, header, arrived[0]) for d in distances] + hops:
             recv_work = pg.recv([received], (rank - distance) % world, 6)
             send_work = pg.send([sent], (rank + distance) % world, 6)
             recv_work.wait()
