@@ -91,6 +91,14 @@ def test_op_accepts_only_sum_and_avg_by_type(call: str, op: Any) -> None:
         CALLS[call](torch.ones(3), op=op)
 
 
+def test_fresh_scale_is_checked_and_left_to_auto() -> None:
+    _no_group()
+    with pytest.raises(TypeError, match=r"^Argument 'fresh_scale' must be a bool, not 'yes'"):
+        cerar.all_reduce(torch.ones(3), fresh_scale="yes")
+    with pytest.raises(ValueError, match=r"'fresh_scale' must be left at their defaults with method='auto'"):
+        cerar.all_reduce(torch.ones(3), method="auto", fresh_scale=True)
+
+
 def test_op_spellings_that_are_accepted() -> None:
     assert dist.ReduceOp.SUM == 0  # why the check compares by type first
     accepted = {

@@ -129,6 +129,8 @@ def _agreed_layout_worker(rank: int, world: int, kind: str) -> tuple[str, str, f
             if rank != 1:
                 cerar.all_reduce(torch.ones(200), code=code)
             cerar.all_reduce(torch.ones(100), code=code)
+        elif kind == "fresh scale":  # rank 3 asks for a scale from its data, the others the agreed one
+            cerar.all_reduce(torch.ones(100), code=code, fresh_scale=rank == 3)
         first, message = "no error", ""
     except handshake.SettingsMismatchError as exc:
         first, message = "SettingsMismatchError", str(exc)
@@ -137,7 +139,7 @@ def _agreed_layout_worker(rank: int, world: int, kind: str) -> tuple[str, str, f
     return first, message, float(x.mean()), stats.agreed_calls
 
 
-@pytest.mark.parametrize("kind", ["new size", "other agreed size", "skipped"])
+@pytest.mark.parametrize("kind", ["new size", "other agreed size", "skipped", "fresh scale"])
 def test_an_agreed_layout_still_raises_on_every_rank_and_the_next_call_works(kind: str) -> None:
     # After a layout's first call, round 1 leaves beside the handshake's last hops, on the links
     # whose two ends sent the same header; a mismatch must still raise everywhere, with the same
@@ -147,7 +149,13 @@ def test_an_agreed_layout_still_raises_on_every_rank_and_the_next_call_works(kin
     assert len({r[1] for r in results}) == 1
     message = results[0][1]
     assert "agreed layout at packet scale" in message
-    assert {"new size": "size 101", "other agreed size": "size 200", "skipped": "size 200"}[kind] in message
+    fragment = {
+        "new size": "size 101",
+        "other agreed size": "size 200",
+        "skipped": "size 200",
+        "fresh scale": "size 100",
+    }
+    assert fragment[kind] in message
     for _, _, mean, agreed_calls in results:
         assert mean == pytest.approx(6.0, rel=1e-3)
         assert agreed_calls == 3  # the repeats of 100 and 200, and the last call

@@ -104,6 +104,39 @@ def test_ranks_with_different_remembered_scales_agree() -> None:
         assert finite and err < 1e-3
 
 
+def _fresh_scale_worker(rank: int, world: int) -> list[tuple[int, int]]:
+    """16-bit packets: a size's calls, then data 2**12 times larger and back (as a stream that
+    another method interrupted while the gradients grew): the remembered scale no longer fits
+    and the call is redone, unless the calls where the data changed take their scale from their
+    data (``fresh_scale``)."""
+    code = cerar.codes.optimized(world, 2 * world, "fp16")
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(rank))
+    exact = _gather(x).double().sum(0)
+    seen = []
+    for fresh in (False, True):
+        stats = cerar.CommStats()
+        previous = 1.0
+        for growth in (1.0, 1.0, 4096.0, 1.0):
+            y = x * growth
+            cerar.all_reduce(
+                y, code=code, packet_dtype=torch.float16, stats=stats, fresh_scale=fresh and growth != previous
+            )
+            assert torch.isfinite(y).all()
+            assert float((y.double() / growth - exact).norm() / exact.norm()) < 5e-2
+            previous = growth
+        seen.append((stats.rescales, stats.agreed_calls))
+    return seen
+
+
+def test_a_fresh_scale_fits_data_that_grew_without_redoing_the_call() -> None:
+    for without, with_fresh in check(run_ranks(_fresh_scale_worker, 4, timeout=90)):
+        # Without: the grown call (and the one back) start from a scale that no longer fits and
+        # are redone; the size's first call ran the whole handshake, the other three the early path.
+        assert without[0] >= 1 and without[1] == 3, without
+        # With: nothing redone; the two calls at a changed scale ran the whole handshake.
+        assert with_fresh == (0, 2), with_fresh
+
+
 def _one_value_worker(rank: int, world: int, c: int, d: int, where: int) -> list[int]:
     x = torch.zeros(d)
     if rank == 1:

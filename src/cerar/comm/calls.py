@@ -112,6 +112,7 @@ def cerar_call(
     nonfinite: str,
     stats: CommStats | None,
     packet_dtype: torch.dtype | None = None,
+    fresh_scale: bool = False,
 ) -> None:
     with call_context(tensor, ring, stats) as (flat, call, counter):
         if ring.size == 1:
@@ -140,7 +141,11 @@ def cerar_call(
         # A layout (size and settings) whose call every rank has completed before: its scale is
         # the same everywhere, so round 1 can leave beside the handshake (module handshake). CPU only:
         # on an accelerator the check would wait for the device inside the round loop.
-        agreed_before = (key, settings) in state.agreed and key in remembered and flat.device.type == "cpu"
+        # fresh_scale: measured from this call's data, as at a size's first call (the remembered
+        # scale is kept until the call succeeds, so that a call refused on one rank changes nothing).
+        agreed_before = (
+            not fresh_scale and (key, settings) in state.agreed and key in remembered and flat.device.type == "cpu"
+        )
         native.warm(flat.device, flat.dtype)  # a machine's first build, before the ranks line up
         began = time.perf_counter()
         if agreed_before:
@@ -152,7 +157,7 @@ def cerar_call(
         else:
             # A narrow format (float16) without a scale to go by pays one pass here, so that its
             # first call does not have to be redone; a wide one starts from 1.
-            first_pass = key not in remembered and window.target is not None
+            first_pass = (fresh_scale or key not in remembered) and window.target is not None
             agreed = handshake(
                 ring,
                 settings,

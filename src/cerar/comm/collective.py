@@ -96,6 +96,7 @@ def all_reduce(
     max_error: float | None = MAX_ERROR,
     stats: CommStats | None = None,
     method: str = "cerar",
+    fresh_scale: bool = False,
 ) -> Any:
     """Sum (or average) ``tensor`` over ``group`` with CERAR, in place.
 
@@ -131,7 +132,15 @@ def all_reduce(
             the calls of this size go by the fastest method whose predicted worst-rank error is
             within ``max_error`` (the exact all-reduce, the float16 ring, CERAR in float32 or
             16 bits), decided from their measured times, the same on every rank
-            (:mod:`cerar.comm.auto_collective`; ``code`` and ``packet_dtype`` must be None).
+            (:mod:`cerar.comm.auto_collective`; ``code``, ``packet_dtype`` and ``fresh_scale``
+            left at their defaults).
+        fresh_scale: take the packet scale from this call's data (every rank's largest
+            magnitude, carried by the handshake before the first round, as at the first call of
+            a size) instead of from the previous call of this size. For 16-bit packets in a
+            stream of calls that other methods interrupted (``method="auto"`` switching back),
+            whose remembered scale may no longer fit: such a call would be redone. Every rank
+            must pass the same value: on a size the ranks agreed before, a rank that differs
+            makes every rank raise :class:`SettingsMismatchError`.
 
     Packets are scaled by an exact power of two so that they can neither overflow nor fall into
     subnormals (:mod:`cerar.coding.scaling`): every rank's largest magnitude travels with the
@@ -140,14 +149,18 @@ def all_reduce(
     """
     if method != "cerar":
         check_choice("method", method, ("cerar", "auto"))
-        if code is not None or packet_dtype is not None:
-            raise ValueError("Arguments 'code' and 'packet_dtype' must be None with method='auto' (it chooses them).")
+        if code is not None or packet_dtype is not None or fresh_scale is not False:
+            raise ValueError(
+                "Arguments 'code', 'packet_dtype' and 'fresh_scale' must be left at their defaults with "
+                f"method='auto' (it chooses them), not {code!r}, {packet_dtype!r}, {fresh_scale!r}."
+            )
         from cerar.comm.auto_collective import auto_all_reduce
 
         return auto_all_reduce(tensor, op, group, async_op, max_error=max_error, nonfinite=nonfinite, stats=stats)
     reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(
         tensor, op, async_op, nonfinite, packet_dtype, code, stats
     )
+    fresh_scale = check_bool("fresh_scale", fresh_scale)
     ring = ring_of(group)
     if ring is None:
         return None
@@ -158,7 +171,9 @@ def all_reduce(
         check_usable(code, precision, check_max_error(max_error))
     # detach(): the same storage, so the result lands in ``tensor``, without autograd, which
     # refuses in-place writes to a leaf that requires grad (dist.all_reduce also bypasses it).
-    job = functools.partial(cerar_call, tensor.detach(), reduce_op, ring, code, nonfinite, stats, packet_dtype)
+    job = functools.partial(
+        cerar_call, tensor.detach(), reduce_op, ring, code, nonfinite, stats, packet_dtype, fresh_scale
+    )
     return COMM.submit(job, tensor, async_op)
 
 
