@@ -146,14 +146,20 @@ def plan_of(engine: AutoEngine) -> dict[int, tuple[str, str]]:
 # No trial cut short here (the tests of the cut are below): every candidate runs its trials.
 CONFIG = AutoConfig(warmup=1, trials=3, verify_every=2, redecide_every=None, prune_tol=None)
 DECIDED = CONFIG.calibration_steps(len(CANDIDATES))  # 13: the first step by the plan
-ORDER = [3, 1, 2, 0]  # the trials by bytes sent: 16-bit CERAR, the float16 ring, CERAR, exact
+ORDER = [3, 1, 2, 0]  # the first round's order, by bytes sent: 16-bit CERAR, the float16 ring, CERAR, exact
+
+
+def rounds(trials: int, order: list[int] = ORDER) -> list[tuple[int, int]]:
+    """The trial steps as (candidate, round): rounds of one step each, every other one reversed."""
+    return [(k, i) for i in range(trials) for k in (order[::-1] if i % 2 else order)]
 
 
 def test_engine_schedule_and_decision() -> None:
     engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
     drive(engine, range(DECIDED + 1), lambda step, c, v: true_time(c, v))
-    assert [engine.phase(s)[:2] for s in (0, 1, 4, 7, 10, 12, 13)] == [
-        ("warmup", 0), ("trial", 3), ("trial", 1), ("trial", 2), ("trial", 0), ("trial", 0), ("run", 0)
+    # The candidates take turns, a round of one step each (the first round warms them up).
+    assert [engine.phase(s) for s in range(DECIDED + 1)] == [
+        ("warmup", 0, 0), *[("trial", k, i) for k, i in rounds(CONFIG.trials)], ("run", 0, 0)
     ]  # fmt: skip
     # The small bucket is latency-bound (the float16 ring, torch's few rounds), the large one
     # bandwidth-bound (16-bit CERAR, the fewest bytes).
@@ -328,23 +334,25 @@ def _slow_steps(factors: dict[str, float]) -> Timing:
 
 @pytest.mark.parametrize("steps", [True, False])
 def test_engine_cuts_the_trial_of_a_hopeless_candidate(steps: bool) -> None:
-    # Exact and float32 CERAR take three times the best step here: with steps each is cut after
-    # its first trial step, so the decision comes at step 1 + 3 + 3 + 1 + 1 = 9, not 13. Calls
-    # (noisier; six trials each, as the collective's default) are cut by the faster of two
-    # counted calls, at 1 + 6 + 6 + 3 + 3 = 19, not 25. The float16 ring, 20% slower than
-    # 16-bit CERAR, stays within prune_tol (25%) and runs its whole trial.
+    # Exact and float32 CERAR take three times the best step here: with steps each is cut at its
+    # first (warm-up) step, against the warm-up steps before it in the round, so that the
+    # decision comes at step 1 + 4 + 2 + 2 = 9, not 13. Calls (noisier; six trials each, as the
+    # collective's default) are cut by the faster of two counted calls, in the third round, at
+    # 1 + 4 x 3 + 2 x 3 = 19, not 25. The float16 ring, 20% slower than 16-bit CERAR, stays
+    # within prune_tol (25%) and runs its whole trial.
     config = replace(CONFIG, prune_tol=0.25, trials=3 if steps else 6)
     engine = AutoEngine(CANDIDATES, config, Identity(), steps=steps)  # type: ignore[arg-type]
     timing = _slow_steps({"exact": 3.0, "cerar": 3.0})
     trials, cut_at = config.trials, 0 if steps else 2
-    cerar_at = 1 + 2 * trials  # the first step of float32 CERAR's trial, the third candidate
-    decided = cerar_at + 2 * (cut_at + 1)
+    cerar_at = 1 + 4 * cut_at + 2  # float32 CERAR's step of the round it is cut in: third of four
+    decided = 1 + 4 * (cut_at + 1) + 2 * (trials - cut_at - 1)
     drive(engine, range(decided + 1), timing)
     cut = [(e["step"], e["candidate"], e["trial_step"]) for e in engine.history if e["event"] == "prune"]
-    assert cut == [(cerar_at + cut_at, "cerar c=8", cut_at), (cerar_at + 2 * cut_at + 1, "exact", cut_at)]
-    assert engine.pruned == {0, 2} and [engine.phase(s)[:2] for s in (cerar_at, decided - 1, decided)] == [
-        ("trial", 2), ("trial", 0), ("run", 0)
-    ]  # fmt: skip
+    assert cut == [(cerar_at, "cerar c=8", cut_at), (cerar_at + 1, "exact", cut_at)]
+    assert engine.pruned == {0, 2} and engine.phase(cerar_at)[:2] == ("trial", 2) and engine.phase(decided)[0] == "run"
+    # After the cut the two left take turns to the end of their trials.
+    left = [(k, i) for k, i in rounds(trials, [3, 1]) if i > cut_at]
+    assert [engine.phase(s)[1:] for s in range(cerar_at + 2, decided)] == left
     assert [e["event"] for e in engine.history] == ["calibrate", "prune", "prune", "decide"]
     # A cut candidate is no choice; exact, cut too, stays the baseline a slot goes back to.
     assert {name for name, _ in plan_of(engine).values()} <= {"fp16", "cerar-fp16"}
@@ -369,17 +377,38 @@ def test_one_slow_call_does_not_cut_a_close_competitor() -> None:
     assert 1 not in engine.pruned and plan_of(engine) == {0: ("fp16", "fastest")}
 
 
-def test_engine_never_cuts_the_first_candidate_or_a_trials_last_step() -> None:
-    # 16-bit CERAR, tried first, has nothing to be compared with; the float16 ring slows only at
-    # its last trial step, which ends the trial anyway.
+def test_engine_cuts_a_slow_first_candidate_in_the_second_round_and_never_at_a_trials_last_step() -> None:
+    # 16-bit CERAR, first in the first round, has nothing to be compared with there; last in the
+    # second (reversed) round, it is cut against the others' counted steps. The float16 ring
+    # slows only at its last trial step, which ends the trial anyway. The other methods take as
+    # long as the ring.
     config = replace(CONFIG, prune_tol=0.25)
     engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+    cerar16_cut, fp16_last = 1 + 4 + 3, 1 + 4 + 4  # the second round's last step; the third's first
 
     def timing(step: int, c: Candidate, v: int) -> float:
-        return true_time(c, v) * (10.0 if c.name == "cerar-fp16" or (c.name == "fp16" and step == 6) else 1.0)
+        slow = c.name == "cerar-fp16" or (c.name == "fp16" and step == fp16_last)
+        return v * 1e-9 * (10.0 if slow else 1.0)
 
-    drive(engine, range(DECIDED + 1), timing)
-    assert engine.pruned == set() and engine.phase(DECIDED)[0] == "run"
+    drive(engine, range(DECIDED), timing)
+    cut = [(e["step"], e["candidate"], e["trial_step"]) for e in engine.history if e["event"] == "prune"]
+    assert cut == [(cerar16_cut, "cerar-fp16 c=8", 1)] and engine.pruned == {3}
+    assert engine.phase(fp16_last) == ("trial", 1, 2) and engine.phase(fp16_last + 3)[0] == "run"
+    assert [e["step"] for e in engine.history if e["event"] == "decide"] == [fp16_last + 3]
+
+
+def test_taking_turns_keeps_a_steady_drift_from_favouring_the_last_candidate() -> None:
+    # Every step 2% faster than the one before (a run settling), 16-bit CERAR truly 4% faster
+    # than exact: tried one after the other, exact's trial steps would come 9 steps after 16-bit
+    # CERAR's (18% of drift in its favour). In turns, with the rounds alternating, both methods'
+    # two counted steps lie at the same mean step, so the drift leaves their ratio as it is.
+    factors = {"cerar-fp16": 1.0, "exact": 1.04, "fp16": 1.1, "cerar": 1.1}
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    drive(engine, range(DECIDED + 1), lambda step, c, v: v * 1e-9 * factors[c.name] * (1 - 0.02 * step))
+    uniform = next(e["step_s"] for e in engine.history if e["event"] == "decide")
+    assert uniform["exact"] / uniform["cerar-fp16 c=8"] == pytest.approx(1.04)
+    assert min(uniform, key=uniform.get) == "cerar-fp16 c=8"
+    assert {name for name, _ in plan_of(engine).values()} == {"cerar-fp16"}
 
 
 def test_engines_that_measured_differently_cut_alike() -> None:
@@ -409,7 +438,7 @@ def test_engines_that_measured_differently_cut_alike() -> None:
     assert first is not None and second is not None
     assert first.pruned == second.pruned == {0}
     assert first.history == second.history and plan_of(first) == plan_of(second)
-    assert [e["step"] for e in first.history if e["event"] == "decide"] == [11]  # 1 + 3 + 3 + 3 + 1
+    assert [e["step"] for e in first.history if e["event"] == "decide"] == [11]  # 1 + 4 + 3 + 3
 
 
 def test_prune_tol_is_checked() -> None:

@@ -4,7 +4,9 @@ error budget, decided from the calls themselves, the same on every rank.
 The calls of one size (and dtype, op, budget) on one group form a stream that an
 :class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
 exact, then ``trials`` calls of each candidate (six by default, :data:`COLLECTIVE_CONFIG`),
-fewest bytes first, a hopeless one cut once two counted calls showed it
+in turns (rounds of one call each, the first fewest bytes first, every other one reversed; a
+16-bit CERAR call after another method's takes its packet scale from its data), a hopeless one
+cut once two counted calls showed it
 (:mod:`cerar.comm.auto_candidates`, collective context: ``exact`` is
 ``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a float16 wire, CERAR
 with float32 and float16 packets), then the decision, agreed on a side
@@ -119,8 +121,8 @@ def auto_all_reduce(
     key = (tensor.numel(), str(tensor.dtype), reduce_op, budget, nonfinite, config)
     if key not in shared.streams:
         candidates, _ = build_candidates(dist.get_world_size(group), budget, config.candidates, "collective")
-        shared.streams[key] = (AutoEngine(candidates, config, shared.side, steps=False), [0])
-    engine, counter = shared.streams[key]
+        shared.streams[key] = (AutoEngine(candidates, config, shared.side, steps=False), [0, -1])
+    engine, counter = shared.streams[key]  # [the next call's step, the last call's candidate]
     step = counter[0]
     counter[0] += 1
     if engine.agreement_due(step):  # every measurement must be in before the ranks agree
@@ -129,12 +131,15 @@ def auto_all_reduce(
     choice = engine.choose(step, 0, tensor.numel(), tensor.numel() * tensor.element_size())
     candidate = engine.candidates[choice.candidate]
     started = time.perf_counter()
+    # 16-bit CERAR after another method's calls: its scale from the data (see the DDP hook).
+    fresh = choice.candidate != counter[1]
     try:
-        call = _start(candidate, tensor, reduce_op, group, nonfinite, stats)
+        call = _start(candidate, tensor, reduce_op, group, nonfinite, stats, fresh)
     except (ValueError, TypeError):  # before any data moved, the same on every rank
         engine.measured(step, 0, choice.candidate, math.inf)
         candidate, choice = engine.candidates[0], None
-        call = _start(candidate, tensor, reduce_op, group, nonfinite, stats)
+        call = _start(candidate, tensor, reduce_op, group, nonfinite, stats, fresh)
+    counter[1] = engine.candidates.index(candidate)
 
     def redo_exactly() -> None:  # a handshake mismatch: every rank's input is intact
         _exact_on(shared.side.group, tensor, reduce_op)
@@ -252,10 +257,12 @@ def _start(
     group: dist.ProcessGroup | None,
     nonfinite: str,
     stats: CommStats | None,
+    switched: bool = False,
 ) -> _Started:
     """Start ``candidate`` on ``tensor`` (the result lands in place). The cerar candidates run
     as ``cerar.all_reduce`` / ``ring_all_reduce`` run them (one call on the communication
-    thread), their settings already checked: the code is auto's own, for the group."""
+    thread), their settings already checked: the code is auto's own, for the group. A 16-bit
+    CERAR call that follows another method's (``switched``) takes its packet scale from its data."""
     if candidate.name == "exact":
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         size = dist.get_world_size(group)
@@ -274,7 +281,8 @@ def _start(
         job = functools.partial(ring_call, tensor.detach(), op, ring, _PACKETS[candidate.wire], stats)
     else:
         packet = _PACKETS[candidate.wire]
-        job = functools.partial(cerar_call, tensor.detach(), op, ring, candidate.code, nonfinite, stats, packet)
+        fresh = switched and packet is not None
+        job = functools.partial(cerar_call, tensor.detach(), op, ring, candidate.code, nonfinite, stats, packet, fresh)
     return _Started(COMM.submit(job, tensor, True), tensor)
 
 

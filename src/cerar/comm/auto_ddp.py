@@ -90,10 +90,12 @@ class AutoState(CerarState, method="auto"):
     """
 
     __slots__ = (
-        "_agreement", "_in_pass", "_link", "auto", "candidates", "engine", "max_error", "refused",
+        "_agreement", "_in_pass", "_last_method", "_link", "auto", "candidates", "engine", "max_error", "refused",
         "torch_buckets", "torch_bytes",
     )  # fmt: skip
-    _NOT_PICKLED = (*CerarState._NOT_PICKLED, "_agreement", "_link", "candidates", "engine", "refused")
+    _NOT_PICKLED = (
+        *CerarState._NOT_PICKLED, "_agreement", "_last_method", "_link", "candidates", "engine", "refused",
+    )  # fmt: skip
     _STEP_RECORD = AutoStep
     _METHOD = "auto"
 
@@ -126,6 +128,7 @@ class AutoState(CerarState, method="auto"):
         self._agreement: SideGroup | None = None
         self._in_pass = False
         self._link = LinkClock()
+        self._last_method: dict[int, int] = {}  # bucket index -> the candidate of its last call
 
     def resolve_group(self, coded: bool = True, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
         """The hook's group and, created right after it at the first bucket on every rank, the
@@ -189,9 +192,14 @@ def _cerar(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, grou
     from cerar.comm.collective import all_reduce
 
     packet = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[candidate.wire]
+    # 16-bit packets after another method ran the bucket (a trial, a verification's change):
+    # the scale remembered from its last CERAR call may no longer fit the gradients, and the call
+    # would be redone, so this one takes its scale from its data. Every rank switches at the
+    # same step (the engine's schedule is agreed), so every rank passes the same flag.
+    fresh = packet is not None and state._last_method.get(bucket.index()) != state.candidates.index(candidate)
     work = all_reduce(
         bucket.buffer(), "avg", group, True, code=candidate.code, nonfinite=state.nonfinite, packet_dtype=packet,
-        max_error=None, stats=call,
+        max_error=None, stats=call, fresh_scale=fresh,
     )  # fmt: skip
     return work.get_future()
 
@@ -253,6 +261,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     except BaseException:
         state.bucket_done(None, None)
         raise
+    state._last_method[bucket.index()] = state.candidates.index(candidate)
     if candidate.transport == "torch":
         state.torch_buckets += 1
         state.torch_bytes += round(candidate.bytes_per_value * buffer.numel())

@@ -5,13 +5,17 @@ calls of one size) whose slots (DDP's buckets; the collective's one tensor) keep
 Its schedule depends on the step count and on agreed numbers alone, which every rank shares:
 
 1. ``warmup`` steps: every slot exact (DDP rebuilds its buckets after the first);
-2. ``trials`` steps per candidate, the candidates in the order of the bytes they send (fewest
-   first: the slow ones come last, where they can be cut): every slot of the step by that
-   candidate, so that whole steps compare (CERAR's coding competes with backward for the
-   cores); the first step of each trial warms the method up and is not counted. After every
-   trial step the ranks agree its time (the slowest rank's); a candidate whose step took more
-   than ``prune_tol`` longer than the median step of the fastest candidate tried before it is
-   cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
+2. ``trials`` steps per candidate, taken in turns: ``trials`` rounds of one step per
+   candidate, the first round in the order of the bytes they send (fewest first: the slow ones
+   come last, where they can be cut), the next one reversed, and so on alternately, so that a
+   steady drift of the machine (steps that get faster as a run settles, load that comes and
+   goes) moves every candidate's counted steps alike instead of favouring whichever was tried
+   last. Every slot of a step by that step's candidate, so that whole steps compare (CERAR's
+   coding competes with backward for the cores). A candidate's first step (the first round)
+   warms it up and is not counted. After every trial step the ranks agree its time (the
+   slowest rank's); a candidate whose step took more than ``prune_tol`` longer than the fastest
+   other candidate's so far (the median of its counted steps; in the first round, its warm-up
+   step) is cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
    calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
    float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. A call's time
    is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
@@ -160,8 +164,8 @@ class AutoEngine:
     """
 
     __slots__ = (
-        "_agreed_costs", "_began", "_contest", "_costs", "_lengths", "_lock", "_order", "_previous", "_slot_times",
-        "_stale", "_steps_checked", "_trial", "_uniform",
+        "_agreed_costs", "_began", "_contest", "_costs", "_cut", "_lock", "_order", "_previous", "_schedule",
+        "_slot_times", "_stale", "_steps_checked", "_trial", "_uniform",
         "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
         "plan", "start", "steps",
     )  # fmt: skip
@@ -187,10 +191,12 @@ class AutoEngine:
         self._window: dict[tuple[int, int, int], float] = {}  # (window, step, slot) -> seconds
         self._window_steps: dict[tuple[int, int], float] = {}
         self._slot_times: dict[tuple[int, int], float] = {}  # agreed trial medians (candidate, slot)
-        # The trials' order (fewest bytes first), the trial steps of the candidates cut short,
-        # and each trial step's cost (the step's time; for calls, the slots' sum), local and agreed.
+        # The first round's order (fewest bytes first), the trial steps as (candidate, round)
+        # (a cut candidate's later ones removed), the candidates cut, and each trial step's cost
+        # (the step's time; for calls, the slots' sum), local and agreed.
         self._order = sorted(range(len(self.candidates)), key=lambda k: (self.candidates[k].bytes_per_value, k))
-        self._lengths: dict[int, int] = {}
+        self._schedule = self._full_schedule()
+        self._cut: set[int] = set()
         self._costs: dict[tuple[int, int], float] = {}
         self._agreed_costs: dict[tuple[int, int], float] = {}
         self._uniform: list[float] = []  # agreed median trial step per candidate
@@ -210,18 +216,22 @@ class AutoEngine:
         if offset < self.config.warmup:
             return ("warmup", 0, offset)
         offset -= self.config.warmup
-        for k in self._order:  # a step not yet run counts every candidate's trial in full
-            length = self._lengths.get(k, self.config.trials)
-            if offset < length:
-                return ("trial", k, offset)
-            offset -= length
-        w, i = divmod(offset, self.config.verify_every)
+        if offset < len(self._schedule):  # a step not yet run counts every uncut candidate in full
+            k, i = self._schedule[offset]
+            return ("trial", k, i)
+        w, i = divmod(offset - len(self._schedule), self.config.verify_every)
         return ("run", w, i)
+
+    def _full_schedule(self) -> list[tuple[int, int]]:
+        """Every trial step as ``(candidate, round)``: ``trials`` rounds of every candidate,
+        every other one in reverse order (the first in :attr:`_order`)."""
+        backward = self._order[::-1]
+        return [(k, i) for i in range(self.config.trials) for k in (backward if i % 2 else self._order)]
 
     @property
     def pruned(self) -> set[int]:
         """The candidates whose trial this calibration cut short."""
-        return {k for k, length in self._lengths.items() if length < self.config.trials}
+        return set(self._cut)
 
     def agreement_due(self, step: int) -> bool:
         """Whether :meth:`begin_step` of ``step`` may agree with the other ranks (a decision or a
@@ -292,17 +302,15 @@ class AutoEngine:
         with self._lock:
             self._previous = {s: (self.layout[s][0], c.candidate) for s, c in self.plan.items() if s in self.layout}
             self.start, self.layout, self._stale, self._contest = step, {}, False, None
-            for table in (
-                self._trial, self._window, self._window_steps, self._lengths, self._costs,
-                self._agreed_costs,
-            ):  # fmt: skip
+            self._schedule, self._cut = self._full_schedule(), set()
+            for table in (self._trial, self._window, self._window_steps, self._costs, self._agreed_costs):
                 table.clear()
         self.history.append({"step": step, "event": "calibrate", "reason": reason})
 
     def _prune(self, step: int) -> None:
         """The trial step before ``step`` is over: agree its cost (the slowest rank's) and cut
-        its candidate's trial if it was ``prune_tol`` slower than the fastest earlier
-        candidate's median step. Every rank decides from the same agreed numbers."""
+        its candidate's trial if it was ``prune_tol`` slower than the fastest other candidate's
+        so far (:meth:`_reference`). Every rank decides from the same agreed numbers."""
         _, k, i = self.phase(step - 1)
         with self._lock:
             local = self._costs.get((k, i), MISSING)
@@ -311,19 +319,33 @@ class AutoEngine:
         if not self.steps:  # calls: one is too noisy; the faster of the counted ones so far
             known = [c for c in (self._agreed_costs.get((k, n), MISSING) for n in range(1, i + 1)) if c >= 0.0]
             cost = min(known) if i >= CALLS_BEFORE_CUT and known else MISSING
-        if i == self._lengths.get(k, self.config.trials) - 1 or cost < 0.0:
+        if i == self.config.trials - 1 or cost < 0.0:
             return  # its trial ends anyway, or nothing (enough) was measured
-        earlier = self._order[: self._order.index(k)]
-        medians = [_median([self._agreed_costs.get((j, n), MISSING) for n in range(1, self.config.trials)], None)
-                   for j in earlier]  # fmt: skip
-        known = [m for m in medians if m is not None and math.isfinite(m)]
+        reference = self._reference(k, i)
         assert self.config.prune_tol is not None
-        if known and cost > (1.0 + self.config.prune_tol) * min(known):
-            self._lengths[k] = i + 1
+        if reference is not None and cost > (1.0 + self.config.prune_tol) * reference:
+            self._cut.add(k)
+            self._schedule = [(j, n) for j, n in self._schedule if j != k or n <= i]
             self.history.append(
                 {"step": step - 1, "event": "prune", "candidate": self.candidates[k].label,
-                 "trial_step": i, "step_s": _finite(cost), "best_s": min(known)}
+                 "trial_step": i, "step_s": _finite(cost), "best_s": reference}
             )  # fmt: skip
+
+    def _reference(self, k: int, i: int) -> float | None:
+        """What candidate ``k``'s trial step ``i`` is judged against: the fastest median of
+        another uncut candidate's counted steps so far; in the first round, where no step is
+        counted yet, the fastest warm-up step of the candidates before ``k`` (steps only: a
+        call's is judged from its counted ones). None: nothing to compare with."""
+        others = [j for j in self._order if j != k and j not in self._cut]
+        medians = [
+            _median([self._agreed_costs.get((j, n), MISSING) for n in range(1, self.config.trials)], None)
+            for j in others
+        ]
+        known = [m for m in medians if m is not None and math.isfinite(m)]
+        if not known and i == 0 and self.steps:
+            warm = [self._agreed_costs.get((j, 0), MISSING) for j in others]
+            known = [c for c in warm if c >= 0.0 and math.isfinite(c)]
+        return min(known) if known else None
 
     def _decide(self, step: int) -> None:
         slots, counted = sorted(self.layout), self.config.trials - 1
