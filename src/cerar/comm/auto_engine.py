@@ -34,7 +34,11 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    If one method's trial steps were faster than the
    plan's methods' by ``margin``, that method runs the second window everywhere (``"step"``)
    and the faster of the two windows' median steps is kept (two trial steps are too noisy to
-   decide alone, ten steps of each are not). Otherwise, after the first window that ran the
+   decide alone, ten steps of each are not). When the plan is one method and the trials leave
+   no doubt (every counted step of the other method faster than every one of the plan's by
+   ``margin``, the gap at least twice either's spread), the order turns: the other method runs
+   the first window and stays if its median step beats the plan's trial steps, so that a
+   clearly slower plan costs no window. Otherwise, after the first window that ran the
    plan unchanged, a plan whose median step is slower than the fastest single method's trial
    steps (by ``step_tol``) becomes that method (``"step"``);
 5. a new calibration after ``redecide_every`` steps of the plan, or at the step after a slot's
@@ -165,7 +169,7 @@ class AutoEngine:
 
     __slots__ = (
         "_agreed_costs", "_began", "_contest", "_costs", "_cut", "_lock", "_order", "_previous", "_schedule",
-        "_slot_times", "_stale", "_steps_checked", "_trial", "_uniform",
+        "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform",
         "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
         "plan", "start", "steps",
     )  # fmt: skip
@@ -199,7 +203,8 @@ class AutoEngine:
         self._cut: set[int] = set()
         self._costs: dict[tuple[int, int], float] = {}
         self._agreed_costs: dict[tuple[int, int], float] = {}
-        self._uniform: list[float] = []  # agreed median trial step per candidate
+        self._trial_steps: list[list[float]] = []  # agreed counted trial steps per candidate
+        self._uniform: list[float] = []  # their medians
         # The window contest of a plan against the method of the fastest trial steps: (the
         # challenger, None) before the plan's window ends, then (the plan, its median step).
         # A verification's change in steps is a contest too, with no challenger: (None, (the
@@ -362,9 +367,10 @@ class AutoEngine:
             for s in slots
         }
         steps = agreed[len(keys) :]
-        self._uniform = [
-            _median(steps[k * counted : (k + 1) * counted], unknown=math.inf) for k in range(len(self.candidates))
+        self._trial_steps = [
+            [t for t in steps[k * counted : (k + 1) * counted] if t >= 0.0] for k in range(len(self.candidates))
         ]
+        self._uniform = [_median(known, unknown=math.inf) for known in self._trial_steps]
         self.model = fit_cost_model(
             (self.candidates[k], self.layout[s][0], t) for (k, s), t in self._slot_times.items()
         )
@@ -376,7 +382,26 @@ class AutoEngine:
         self.plan, self._steps_checked = plan, False
         challenger = self._challenger(slots) if self.steps else None
         self._contest = None if challenger is None else (challenger, None)
+        methods = {choice.candidate for choice in plan.values()}
+        if challenger is not None and len(methods) == 1 and self._clearly_faster(challenger, *methods):
+            # The plan is one method, whose whole steps the trials timed: the challenger runs
+            # the first window and stays if its steps beat that method's trial steps.
+            (method,) = methods
+            self._contest = (challenger, (dict(plan), self._uniform[method]))
+            for s in slots:
+                self.plan[s] = self._choice(s, challenger, "step", plan[s].baseline)
         self._record(step, "decide")
+
+    def _clearly_faster(self, challenger: int, method: int) -> bool:
+        """Whether every counted trial step of ``challenger`` beat every one of ``method`` by
+        ``margin``, with a gap of at least twice the larger spread of either's steps: evidence
+        that trial noise does not explain (a hopeless ring on a slow link, not a near tie).
+        One counted step each shows no spread: never clear."""
+        fast, slow = self._trial_steps[challenger], self._trial_steps[method]
+        if min(len(fast), len(slow)) < 2 or not all(map(math.isfinite, fast + slow)):
+            return False
+        gap, spread = min(slow) - max(fast), max(max(fast) - min(fast), max(slow) - min(slow))
+        return max(fast) < (1.0 - self.config.margin) * min(slow) and gap >= 2.0 * spread
 
     def _challenger(self, slots: list[int]) -> int | None:
         """The method whose trial steps were faster than every method of the plan's by
@@ -473,7 +498,8 @@ class AutoEngine:
         """The plan's window has ended: the challenger runs the next one; the challenger's has
         ended: the faster window's plan stays (the plan on a tie). A verification's contest
         (challenger ``None``) holds the plan before the verification and its window's step
-        from the start. The same on every rank: the window medians are agreed."""
+        from the start; a challenger that runs first holds the plan and its trial steps'
+        median. The same on every rank: the window medians are agreed."""
         assert self._contest is not None
         challenger, held = self._contest
         if plan_step is None or (held is None and not unchanged):
