@@ -199,3 +199,44 @@ def test_collective_mismatch_is_redone_exactly_and_rules_the_candidate_out(async
         assert r["mismatched"] and r["choice"] == "exact"
         assert r["errors"][3] < 1e-6 and max(r["errors"]) < bound
         assert all(e < 1e-6 for e in r["errors"][-3:])  # the plan: exact
+
+
+def _collective_scales(rank: int, world_size: int) -> dict[str, Any]:
+    import cerar
+    from cerar.comm import auto_collective
+
+    _inject_timings(rank)  # 16-bit CERAR the choice, so that it runs after the decision too
+    fresh: list[bool] = []  # per 16-bit CERAR call, whether it took a fresh scale
+    cerar_call = auto_collective.cerar_call
+
+    def recording(*args: Any) -> Any:  # (tensor, op, ring, code, nonfinite, stats, packet, fresh)
+        if args[6] is not None:
+            fresh.append(bool(args[7]))
+        return cerar_call(*args)
+
+    auto_collective.cerar_call = recording
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    exact = x.clone()
+    dist.all_reduce(exact)
+    errors = []
+    for _ in range(auto_collective.COLLECTIVE_CONFIG.calibration_steps(4) + 3):
+        y = x.clone()
+        cerar.all_reduce(y, method="auto", max_error=2e-2)
+        errors.append(float((y - exact).norm() / exact.norm()))
+    stream = auto_collective.auto_status()[0]
+    return {"choice": stream["choice"]["method"], "fresh": fresh, "error": max(errors)}
+
+
+def test_collective_counted_trial_calls_keep_their_packet_scale() -> None:
+    # 16-bit CERAR's calls in the calibration follow other methods' calls (turns); its warm-up
+    # call takes a fresh scale from the data, its counted ones the scale of its call before
+    # (as a stream of its calls would), and after the decision it runs on without a fresh one.
+    from cerar.comm.auto_collective import COLLECTIVE_CONFIG
+
+    results = check(run_ranks(_collective_scales, 3, timeout=TIMEOUT))
+    fresh = results[0]["fresh"]
+    assert results[1]["fresh"] == results[2]["fresh"] == fresh
+    assert results[0]["choice"] == "cerar-fp16 c=6" and len(fresh) >= COLLECTIVE_CONFIG.trials + 3
+    assert fresh == [True] + [False] * (len(fresh) - 1)
+    for r in results:
+        assert r["error"] < 2e-2

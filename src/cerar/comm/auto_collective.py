@@ -5,7 +5,8 @@ The calls of one size (and dtype, op, budget) on one group form a stream that an
 :class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
 exact, then ``trials`` calls of each candidate (six by default, :data:`COLLECTIVE_CONFIG`),
 in turns (rounds of one call each, the first fewest bytes first, every other one reversed; a
-16-bit CERAR call after another method's takes its packet scale from its data), a hopeless one
+16-bit CERAR call after another method's takes its packet scale from its data, except a counted
+trial call, which takes the one its call of the round before left), a hopeless one
 cut once two counted calls showed it
 (:mod:`cerar.comm.auto_candidates`, collective context: ``exact`` is
 ``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a float16 wire, CERAR
@@ -131,8 +132,12 @@ def auto_all_reduce(
     choice = engine.choose(step, 0, tensor.numel(), tensor.numel() * tensor.element_size())
     candidate = engine.candidates[choice.candidate]
     started = time.perf_counter()
-    # 16-bit CERAR after another method's calls: its scale from the data (see the DDP hook).
-    fresh = choice.candidate != counter[1]
+    # 16-bit CERAR after another method's calls takes its scale from the data (see the DDP hook),
+    # but not in a counted trial call: there it takes the scale its own call of the round before
+    # left, as a stream of its calls would, since a fresh scale costs a blocking exchange of
+    # maxima that the decided method does not pay (a call whose data outgrew it is redone).
+    kind, _, trial = engine.phase(step)
+    fresh = choice.candidate != counter[1] and not (kind == "trial" and trial > 0)
     try:
         call = _start(candidate, tensor, reduce_op, group, nonfinite, stats, fresh)
     except (ValueError, TypeError):  # before any data moved, the same on every rank

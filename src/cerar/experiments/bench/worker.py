@@ -200,7 +200,9 @@ def run_size(
 ) -> list[dict]:
     """The cases of one size, side by side: each calibrates (auto), then iteration by iteration
     every case takes one timed call in turn, so that a slow spell of the machine (four ranks
-    share two cores here) falls on every method alike instead of on whichever ran then; then
+    share two cores here) falls on every method alike instead of on whichever ran then; the
+    turn starts one case later each iteration, so that no method always follows the same one
+    (a call finds the link, the sockets and the caches as the call before left them); then
     each is checked. Returns their records (all ranks)."""
     import torch
 
@@ -209,7 +211,8 @@ def run_size(
     for run in runs:
         run.calibrate(x, buf)
     for it in range(max(run.warmup + run.iters for run in runs)):
-        for run in runs:
+        shift = it % len(runs)
+        for run in runs[shift:] + runs[:shift]:
             if it < run.warmup + run.iters:
                 run.time_one(it, x, buf, progress)
     return [run.finish(x, exact, buf, progress) for run in runs]
