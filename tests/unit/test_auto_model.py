@@ -232,6 +232,33 @@ def test_engine_keeps_a_verification_in_steps_only_if_its_steps_are_faster(verif
     assert plans[DECIDED + 3 * every][0] == first, plans[DECIDED + 3 * every]
 
 
+@pytest.mark.parametrize("baseline_faster", [True, False])
+def test_calls_keep_a_verification_only_if_the_baseline_window_is_faster(baseline_faster: bool) -> None:
+    """A collective's stream (one slot, calls): after the decision 16-bit CERAR's calls take
+    1.25x their trial time, above the float16 ring's trial calls, so the verification sends the
+    stream to the ring. Either every call slowed alike (the calls around them changed: a
+    benchmark's other methods in turn, say) and the ring's window is slower than CERAR's, which
+    comes back (``"step"``), or only CERAR's did, and the ring stays."""
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity(), steps=False)  # type: ignore[arg-type]
+    every, slots = CONFIG.verify_every, {0: 2**22}
+
+    def timing(step: int, c: Candidate, v: int) -> float:
+        slower = step >= DECIDED and (c is CERAR16 or not baseline_faster)
+        return true_time(c, v) * (1.25 if slower else 1.0)
+
+    plans = {}
+    for step in range(DECIDED + 3 * every + 1):
+        engine.begin_step(step)
+        plans[step] = plan_of(engine)
+        for slot, numel in slots.items():
+            choice = engine.choose(step, slot, numel, 4 * numel)
+            engine.measured(step, slot, choice.candidate, timing(step, engine.candidates[choice.candidate], numel))
+    assert plans[DECIDED] == {0: ("cerar-fp16", "fastest")}
+    assert plans[DECIDED + every] == {0: ("fp16", "verify")}
+    after = {0: ("fp16", "verify")} if baseline_faster else {0: ("cerar-fp16", "step")}
+    assert plans[DECIDED + 2 * every] == plans[DECIDED + 3 * every] == after
+
+
 @pytest.mark.parametrize("clear", [True, False])
 @pytest.mark.parametrize("challenger_holds", [True, False])
 def test_engine_contests_a_plan_with_the_fastest_trial_steps(challenger_holds: bool, clear: bool) -> None:
@@ -346,9 +373,10 @@ def _slow_steps(factors: dict[str, float]) -> Timing:
 
 @pytest.mark.parametrize("steps", [True, False])
 def test_engine_cuts_the_trial_of_a_hopeless_candidate(steps: bool) -> None:
-    # Exact and float32 CERAR take three times the best step here: with steps each is cut at its
-    # first (warm-up) step, against the warm-up steps before it in the round, so that the
-    # decision comes at step 1 + 4 + 2 + 2 = 9, not 13. Calls (noisier; six trials each, as the
+    # Exact and float32 CERAR take three times the best step here: with steps float32 CERAR is
+    # cut at its first (warm-up) step, against the warm-up steps before it in the round, and
+    # exact at its turn without a step (its warm-up calls alone took longer), so that the
+    # decision comes at step 1 + 3 + 2 + 2 = 8, not 13. Calls (noisier; six trials each, as the
     # collective's default) are cut by the faster of two counted calls, in the third round, at
     # 1 + 4 x 3 + 2 x 3 = 19, not 25. The float16 ring, 20% slower than 16-bit CERAR, stays
     # within prune_tol (25%) and runs its whole trial.
@@ -357,14 +385,15 @@ def test_engine_cuts_the_trial_of_a_hopeless_candidate(steps: bool) -> None:
     timing = _slow_steps({"exact": 3.0, "cerar": 3.0})
     trials, cut_at = config.trials, 0 if steps else 2
     cerar_at = 1 + 4 * cut_at + 2  # float32 CERAR's step of the round it is cut in: third of four
-    decided = 1 + 4 * (cut_at + 1) + 2 * (trials - cut_at - 1)
+    decided = 1 + 4 * (cut_at + 1) + 2 * (trials - cut_at - 1) - (1 if steps else 0)
     drive(engine, range(decided + 1), timing)
     cut = [(e["step"], e["candidate"], e["trial_step"]) for e in engine.history if e["event"] == "prune"]
     assert cut == [(cerar_at, "cerar c=8", cut_at), (cerar_at + 1, "exact", cut_at)]
     assert engine.pruned == {0, 2} and engine.phase(cerar_at)[:2] == ("trial", 2) and engine.phase(decided)[0] == "run"
     # After the cut the two left take turns to the end of their trials.
     left = [(k, i) for k, i in rounds(trials, [3, 1]) if i > cut_at]
-    assert [engine.phase(s)[1:] for s in range(cerar_at + 2, decided)] == left
+    first_left = cerar_at + (1 if steps else 2)  # with steps exact's turn went to the next round
+    assert [engine.phase(s)[1:] for s in range(first_left, decided)] == left
     assert [e["event"] for e in engine.history] == ["calibrate", "prune", "prune", "decide"]
     # A cut candidate is no choice; exact, cut too, stays the baseline a slot goes back to.
     assert {name for name, _ in plan_of(engine).values()} <= {"fp16", "cerar-fp16"}
@@ -373,6 +402,50 @@ def test_engine_cuts_the_trial_of_a_hopeless_candidate(steps: bool) -> None:
     full = AutoEngine(CANDIDATES, replace(config, prune_tol=None), Identity(), steps=steps)  # type: ignore[arg-type]
     drive(full, range(config.calibration_steps(len(CANDIDATES)) + 1), timing)
     assert full.pruned == set() and plan_of(full) == plan_of(engine)
+
+
+@pytest.mark.parametrize("slow_on", ["both", "one", "none"])
+def test_exact_is_cut_at_its_turn_when_its_warmup_calls_alone_are_too_slow(slow_on: str) -> None:
+    # The warm-up step runs exact and carries every first-time cost (here 20 s beyond its calls):
+    # its time is no measure, but its calls bound any step by exact from below. Exact's calls
+    # take 1.1x 16-bit CERAR's, but in the warm-up 3x on both ranks (exact is cut at its turn in
+    # the first round, without a step, and the decision comes three steps sooner), on one rank
+    # only (that rank waited for the other to join each call: the least over the ranks is the
+    # bound, no cut), or on none.
+    factors = {"cerar-fp16": 1.0, "fp16": 1.05, "cerar": 1.1, "exact": 1.1}
+    config = replace(CONFIG, prune_tol=0.25)
+    group, engines = PairedGroup(), [None, None]
+
+    def rank_main(rank: int) -> None:
+        engine = AutoEngine(CANDIDATES, config, group.member(rank))  # type: ignore[arg-type]
+        slow = slow_on == "both" or (slow_on == "one" and rank == 0)
+
+        def call_time(step: int, c: Candidate, v: int) -> float:
+            return v * 1e-9 * factors[c.name] * (3.0 if step == 0 and slow else 1.0)
+
+        def step_cost(step: int, c: Candidate, v: int) -> float:
+            return call_time(step, c, v) + (10.0 if step == 0 else 0.0)
+
+        drive_plans(engine, range(DECIDED + 1), call_time, step_cost)
+        engines[rank] = engine
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    histories = [
+        [(e["step"], e["event"], e.get("candidate")) for e in engine.history if e["event"] != "verify"]
+        for engine in engines
+    ]
+    assert histories[0] == histories[1]
+    exact_turn = 1 + 3  # the warm-up, then 16-bit CERAR, the float16 ring and float32 CERAR
+    if slow_on == "both":
+        assert histories[0] == [(0, "calibrate", None), (exact_turn, "prune", "exact"), (DECIDED - 3, "decide", None)]
+        assert engines[0].pruned == {0} and engines[0].phase(exact_turn) == ("trial", 2, 1)
+    else:
+        assert histories[0] == [(0, "calibrate", None), (DECIDED, "decide", None)]
+        assert engines[0].pruned == set() and engines[0].phase(exact_turn) == ("trial", 0, 0)
 
 
 def test_one_slow_call_does_not_cut_a_close_competitor() -> None:

@@ -17,7 +17,10 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    other candidate's so far (the median of its counted steps; in the first round, its warm-up
    step) is cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
    calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
-   float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. A call's time
+   float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. Exact, which the
+   warm-up ran, is cut at its first turn without a step when the warm-up's exact calls alone
+   (their service times summed, the least over the ranks: a lower bound on any step by exact)
+   took ``prune_tol`` longer than the fastest warm-up step before it. A call's time
    is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
    their counted calls, from the second one on (:data:`CALLS_BEFORE_CUT`);
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
@@ -29,8 +32,10 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    measured slower than predicted (by ``verify_tol``) or than its baseline goes to the
    baseline (``"verify"``). With steps (DDP), a call's time does not show what its coding
    takes from backward, a step's does: a slot is compared with its baseline's calls only on
-   one transport, and a verification's change runs the next window and stays only if that
-   window's median step is faster (otherwise the slots it changed come back as ``"step"``).
+   one transport. A verification's change runs the next window and stays only if that
+   window is faster than the one before (its median step; for calls, its calls' median): the
+   baseline's trial calls were timed earlier and among other calls (otherwise the slots it
+   changed come back as ``"step"``, not verified again).
    If one method's trial steps were faster than the
    plan's methods' by ``margin``, that method runs the second window everywhere (``"step"``)
    and the faster of the two windows' median steps is kept (two trial steps are too noisy to
@@ -169,7 +174,7 @@ class AutoEngine:
 
     __slots__ = (
         "_agreed_costs", "_began", "_contest", "_costs", "_cut", "_lock", "_order", "_previous", "_schedule",
-        "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform",
+        "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform", "_warm_bound", "_warm_calls",
         "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
         "plan", "start", "steps",
     )  # fmt: skip
@@ -204,6 +209,10 @@ class AutoEngine:
         self._costs: dict[tuple[int, int], float] = {}
         self._agreed_costs: dict[tuple[int, int], float] = {}
         self._trial_steps: list[list[float]] = []  # agreed counted trial steps per candidate
+        # Exact's calls in the last warm-up step, summed (local), and their agreed least over the
+        # ranks: a lower bound on any step by exact (steps only).
+        self._warm_calls = 0.0
+        self._warm_bound: float | None = None
         self._uniform: list[float] = []  # their medians
         # The window contest of a plan against the method of the fastest trial steps: (the
         # challenger, None) before the plan's window ends, then (the plan, its median step).
@@ -261,6 +270,7 @@ class AutoEngine:
             self._restart(step, "size")
         if self._prune_due(step):
             self._prune(step)
+        self._cut_by_warmup(step)
         kind, index, offset = self.phase(step)
         every = self.config.redecide_every
         if kind == "run" and every is not None and index * self.config.verify_every + offset >= every:
@@ -288,6 +298,8 @@ class AutoEngine:
         """``slot`` of ``step`` took ``seconds`` by ``candidate`` (``inf``: its call failed)."""
         kind, index, offset = self.phase(step)
         with self._lock:
+            if kind == "warmup" and self.steps and offset == self.config.warmup - 1 and candidate == 0:
+                self._warm_calls += seconds
             if kind == "trial" and candidate == index and not self.steps:
                 self._costs[(index, offset)] = self._costs.get((index, offset), 0.0) + seconds
             if kind == "trial" and offset >= 1 and candidate == index:
@@ -307,6 +319,7 @@ class AutoEngine:
         with self._lock:
             self._previous = {s: (self.layout[s][0], c.candidate) for s, c in self.plan.items() if s in self.layout}
             self.start, self.layout, self._stale, self._contest = step, {}, False, None
+            self._warm_calls, self._warm_bound = 0.0, None
             self._schedule, self._cut = self._full_schedule(), set()
             for table in (self._trial, self._window, self._window_steps, self._costs, self._agreed_costs):
                 table.clear()
@@ -319,8 +332,12 @@ class AutoEngine:
         _, k, i = self.phase(step - 1)
         with self._lock:
             local = self._costs.get((k, i), MISSING)
-        cost = self.agreement.max([local])[0]
+            warm = self._warm_calls
+        # The warm-up's bound travels along (negated: the least over the ranks, whose waits for
+        # the slowest rank to join a call are the shortest; none or a failed call: -inf).
+        cost, least = self.agreement.max([local, -warm if 0.0 < warm < math.inf else -math.inf])
         self._agreed_costs[(k, i)] = cost
+        self._warm_bound = -least if math.isfinite(least) else None
         if not self.steps:  # calls: one is too noisy; the faster of the counted ones so far
             known = [c for c in (self._agreed_costs.get((k, n), MISSING) for n in range(1, i + 1)) if c >= 0.0]
             cost = min(known) if i >= CALLS_BEFORE_CUT and known else MISSING
@@ -334,6 +351,25 @@ class AutoEngine:
             self.history.append(
                 {"step": step - 1, "event": "prune", "candidate": self.candidates[k].label,
                  "trial_step": i, "step_s": _finite(cost), "best_s": reference}
+            )  # fmt: skip
+
+    def _cut_by_warmup(self, step: int) -> None:
+        """Exact (the warm-up's method) at its first trial step: cut without that step if the
+        warm-up step's exact calls alone took ``prune_tol`` longer than the fastest warm-up step
+        of the candidates before it. A step holds all its calls, so their summed service time
+        (each transport's overlap split among its calls) bounds any step by exact from below;
+        the step itself is no measure, as the first step carries DDP's bucket rebuild and every
+        first-time cost. Steps only; every rank judges the same agreed numbers."""
+        kind, k, i = self.phase(step)
+        if kind != "trial" or (k, i) != (0, 0) or self._warm_bound is None or self.config.prune_tol is None:
+            return
+        reference = self._reference(0, 0)
+        if reference is not None and self._warm_bound > (1.0 + self.config.prune_tol) * reference:
+            self._cut.add(0)
+            self._schedule = [(j, n) for j, n in self._schedule if j != 0]
+            self.history.append(
+                {"step": step, "event": "prune", "candidate": self.candidates[0].label, "trial_step": 0,
+                 "step_s": None, "warmup_calls_s": self._warm_bound, "best_s": reference}
             )  # fmt: skip
 
     def _reference(self, k: int, i: int) -> float | None:
@@ -469,13 +505,18 @@ class AutoEngine:
             slow = choice.predicted_s is None or measured > choice.predicted_s * (1 + config.verify_tol)
             if slow or measured > self._baseline_time(choice, s) * (1 + config.step_tol):
                 self.plan[s] = self._choice(s, choice.baseline, "verify", choice.baseline)
-        plan_step = _median(agreed[len(keys) :], unknown=None)
+        if self.steps:
+            plan_step = _median(agreed[len(keys) :], unknown=None)
+        else:  # calls: the window's time is its calls' (the collective's stream has one slot)
+            plan_step = None if any(window_s[s] is None for s in slots) else sum(window_s[s] for s in slots)
         if self._contest is not None:
             self._run_contest(slots, plan_step, unchanged=self.plan == before)
-        elif self.steps and self.plan != before and plan_step is not None:
-            # In steps a slot's call time does not show what its method costs the step (a call
-            # on the other transport beside it, the coding beside backward): the plan the
-            # verification made runs the next window, and stays only if its steps are faster.
+        elif self.plan != before and plan_step is not None:
+            # The verification compared this window's calls with the baseline's trial calls,
+            # timed earlier and among other calls; in steps a slot's call time does not even
+            # show what its method costs the step (a call on the other transport beside it,
+            # the coding beside backward). So the plan the verification made runs the next
+            # window, and stays only if that window is faster than this one: like with like.
             self._contest = (None, (before, plan_step))
         # The steps compare once, in the first window that ran the plan as it stands.
         elif self.steps and not self._steps_checked and self.plan == before and plan_step is not None:
@@ -541,7 +582,8 @@ class AutoEngine:
 
     def _record(self, step: int, event: str, **measured: Any) -> None:
         """A decision or verification into :attr:`history`; a verification adds its window's
-        median per slot (``window_s``) and median step (``window_step_s``), what it judged by."""
+        median per slot (``window_s``) and median step (``window_step_s``; for calls, the
+        slots' medians summed), what it judged by."""
         self.history.append(
             {
                 "step": step,
