@@ -3,7 +3,7 @@ error budget, decided from the calls themselves, the same on every rank.
 
 The calls of one size (and dtype, op, budget) on one group form a stream that an
 :class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
-exact, then ``trials`` calls of each candidate (six by default, :data:`COLLECTIVE_CONFIG`),
+exact, then ``trials`` calls of each candidate (twelve by default, :data:`COLLECTIVE_CONFIG`),
 in turns (rounds of one call each, the first fewest bytes first, every other one reversed; a
 16-bit CERAR call after another method's takes its packet scale from its data, except a counted
 trial call, which takes the one its call of the round before left), a hopeless one
@@ -49,11 +49,12 @@ __all__ = ["COLLECTIVE_CONFIG", "AutoWork", "auto_all_reduce", "auto_status"]
 
 _PACKETS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-#: The collective's default knobs: ``AutoConfig()`` but for five counted trial calls per
+#: The collective's default knobs: ``AutoConfig()`` but for eleven counted trial calls per
 #: candidate, not two. One call's time scatters far more than a DDP step's (a step sums many
-#: buckets), so that a median of two calls often ranks two close methods the wrong way round;
-#: calls of one size cost far less than steps, and a hopeless candidate is still cut after three.
-COLLECTIVE_CONFIG = AutoConfig(trials=6)
+#: buckets: at 1 MB on a 400 Mbit/s link calls of one method range over 2x), so that a median
+#: of a few calls often ranks two close methods the wrong way round; a hopeless candidate is
+#: still cut after three calls, so the extra ones are calls of methods close to the best.
+COLLECTIVE_CONFIG = AutoConfig(trials=12)
 
 
 class AutoWork:

@@ -33,7 +33,7 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    baseline (``"verify"``). With steps (DDP), a call's time does not show what its coding
    takes from backward, a step's does: a slot is compared with its baseline's calls only on
    one transport. A verification's change runs the next window and stays only if that
-   window is faster than the one before (its median step; for calls, its calls' median): the
+   window is ``margin`` faster than the one before (its median step; for calls, its calls' median): the
    baseline's trial calls were timed earlier and among other calls (otherwise the slots it
    changed come back as ``"step"``, not verified again).
    If one method's trial steps were faster than the
@@ -537,7 +537,8 @@ class AutoEngine:
 
     def _run_contest(self, slots: list[int], plan_step: float | None, unchanged: bool) -> None:
         """The plan's window has ended: the challenger runs the next one; the challenger's has
-        ended: the faster window's plan stays (the plan on a tie). A verification's contest
+        ended: the faster window's plan stays (the plan on a tie; a verification's change only
+        if ``margin`` faster). A verification's contest
         (challenger ``None``) holds the plan before the verification and its window's step
         from the start; a challenger that runs first holds the plan and its trial steps'
         median. The same on every rank: the window medians are agreed."""
@@ -552,7 +553,10 @@ class AutoEngine:
                 self.plan[s] = self._choice(s, challenger, "step", self.plan[s].baseline)
         else:
             plan, held_step = held
-            reverted = plan_step >= held_step
+            # A challenger had trial steps `margin` faster than the plan; a verification's change
+            # (no challenger) has only a window's calls against the trials that chose the plan,
+            # so it must gain the margin too to stay, not a window's noise.
+            reverted = plan_step >= held_step * (1.0 if challenger is not None else 1.0 - self.config.margin)
             if reverted:
                 # Back to the held plan; after a verification's change, the slots it changed are
                 # judged by the steps from now on (not verified again, to change again).
