@@ -33,9 +33,9 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    baseline (``"verify"``). With steps (DDP), a call's time does not show what its coding
    takes from backward, a step's does: a slot is compared with its baseline's calls only on
    one transport. A verification's change runs the next window and stays only if that
-   window is ``margin`` faster than the one before (its median step; for calls, its calls' median): the
-   baseline's trial calls were timed earlier and among other calls (otherwise the slots it
-   changed come back as ``"step"``, not verified again).
+   window is ``margin`` faster than the one before (its median step; for calls, its calls'
+   median), since the baseline's trial calls it went by were timed earlier and among other
+   calls; otherwise the slots it changed come back as ``"step"``, not verified again.
    If one method's trial steps were faster than the
    plan's methods' by ``margin``, that method runs the second window everywhere (``"step"``)
    and the faster of the two windows' median steps is kept (two trial steps are too noisy to
@@ -516,7 +516,7 @@ class AutoEngine:
             # timed earlier and among other calls; in steps a slot's call time does not even
             # show what its method costs the step (a call on the other transport beside it,
             # the coding beside backward). So the plan the verification made runs the next
-            # window, and stays only if that window is faster than this one: like with like.
+            # window, and stays only if that window is `margin` faster than this one: like with like.
             self._contest = (None, (before, plan_step))
         # The steps compare once, in the first window that ran the plan as it stands.
         elif self.steps and not self._steps_checked and self.plan == before and plan_step is not None:
