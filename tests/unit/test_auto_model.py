@@ -341,6 +341,15 @@ class PairedGroup:
         return out
 
 
+def in_two_threads(rank_main: Callable[[int], None]) -> None:
+    """Run ``rank_main(0)`` and ``rank_main(1)`` side by side (two ranks of a PairedGroup)."""
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+
+
 def test_engines_that_measured_differently_agree() -> None:
     # Rank 0 sees the 16-bit ring slow, rank 1 sees 16-bit CERAR slow: alone they would differ.
     skew = [{"fp16": 4.0}, {"cerar-fp16": 4.0}]
@@ -357,11 +366,7 @@ def test_engines_that_measured_differently_agree() -> None:
         drive(engine, range(DECIDED + 1), lambda s, c, v: true_time(c, v) * skew[rank].get(c.name, 1.0))
         plans[rank] = plan_of(engine)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    in_two_threads(rank_main)
     assert plans[0] == plans[1] is not None
     # The agreed numbers are the slowest rank's: both the 16-bit ring and 16-bit CERAR slowed.
     assert plans[0] == {0: ("exact", "fastest"), 1: ("cerar", "fastest")}
@@ -431,11 +436,7 @@ def test_exact_is_cut_at_its_turn_when_its_warmup_calls_alone_are_too_slow(slow_
         drive_plans(engine, range(DECIDED + 1), call_time, step_cost)
         engines[rank] = engine
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    in_two_threads(rank_main)
     histories = [
         [(e["step"], e["event"], e.get("candidate")) for e in engine.history if e["event"] != "verify"]
         for engine in engines
@@ -516,11 +517,7 @@ def test_engines_that_measured_differently_cut_alike() -> None:
     alone = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
     drive(alone, range(DECIDED + 1), flat(1))
     assert alone.pruned == set() and alone.phase(DECIDED - 1)[:2] == ("trial", 0)
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    in_two_threads(rank_main)
     first, second = engines
     assert first is not None and second is not None
     assert first.pruned == second.pruned == {0}
