@@ -123,7 +123,9 @@ def drive(engine: AutoEngine, steps: range, timing: Timing, slots: dict[int, int
     return now
 
 
-def drive_plans(engine: AutoEngine, steps: range, call_time: Timing, step_cost: Timing) -> dict[int, dict]:
+def drive_plans(
+    engine: AutoEngine, steps: range, call_time: Timing, step_cost: Timing, slots: dict[int, int] = SLOTS
+) -> dict[int, dict]:
     """Like :func:`drive`, with the calls timed by ``call_time`` and the step by the sum of
     ``step_cost`` (which may differ: what a method costs the step beyond its calls); returns
     the plan at the start of each step."""
@@ -131,7 +133,7 @@ def drive_plans(engine: AutoEngine, steps: range, call_time: Timing, step_cost: 
     for step in steps:
         engine.begin_step(step, now)
         plans[step] = plan_of(engine)
-        for slot, numel in SLOTS.items():
+        for slot, numel in slots.items():
             choice = engine.choose(step, slot, numel, 4 * numel)
             candidate = engine.candidates[choice.candidate]
             engine.measured(step, slot, choice.candidate, call_time(step, candidate, numel))
@@ -168,22 +170,60 @@ def test_engine_schedule_and_decision() -> None:
     assert [e["event"] for e in engine.history] == ["calibrate", "decide"]
 
 
+LARGE = {0: 2**22, 1: 2**22}  # two 16 MiB buckets: 16-bit CERAR in both, a plan of one method
+
+
 def test_engine_verify_and_step_check() -> None:
-    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    every = CONFIG.verify_every
 
     def slower_cerar(step: int, c: Candidate, v: int) -> float:  # CERAR 3x slower than in its trials
         return true_time(c, v) * (3.0 if step >= DECIDED and c.components else 1.0)
 
-    drive(engine, range(DECIDED + 3), slower_cerar)
-    assert plan_of(engine)[1] == ("fp16", "verify")  # measured worse than predicted: the baseline
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    drive(engine, range(DECIDED + 1), slower_cerar, LARGE)
+    assert plan_of(engine) == {0: ("cerar-fp16", "fastest"), 1: ("cerar-fp16", "fastest")}
+    drive(engine, range(DECIDED + 1, DECIDED + every + 1), slower_cerar, LARGE)
+    # Measured worse than predicted: the baseline.
+    assert plan_of(engine) == {0: ("fp16", "verify"), 1: ("fp16", "verify")}
+
+    # Steps of a one-method plan slower than a method whose trial steps were only a little
+    # faster (no challenger): the whole plan becomes that method at the check.
+    def step_cost(step: int, c: Candidate, v: int) -> float:
+        if c is FP16:  # its calls slower, its steps 1% under 16-bit CERAR's
+            return true_time(CERAR16, v) * 0.99
+        return true_time(c, v) + (5.0 if c is CERAR16 and step >= DECIDED else 0.0)
 
     engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
-    slots = {0: 2**16, 1: 2**22}
-    now = drive(engine, range(DECIDED + 2), lambda step, c, v: true_time(c, v), slots)
-    # Steps of the plan slower than the fastest single method's trials (its coding competing with
-    # the model's compute, say): the whole plan becomes that method at the check.
-    engine.begin_step(DECIDED + 2, now + 10.0)
-    assert plan_of(engine) == {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "fastest")}
+    plans = drive_plans(engine, range(DECIDED + every + 1), lambda step, c, v: true_time(c, v), step_cost, LARGE)
+    assert plans[DECIDED] == {0: ("cerar-fp16", "fastest"), 1: ("cerar-fp16", "fastest")}
+    assert plans[DECIDED + every] == {0: ("fp16", "step"), 1: ("fp16", "step")}
+
+
+@pytest.mark.parametrize("cerar_slows", [True, False])
+def test_engine_contests_a_mixed_plan_with_the_fastest_single_method(cerar_slows: bool) -> None:
+    """The plan mixes the float16 ring (small bucket) and 16-bit CERAR (large one), a plan the
+    trials never ran whole: the fastest single method (16-bit CERAR) runs the second window
+    and the faster window's plan stays. If CERAR turned 3x slower after the decision, the mixed
+    plan comes back, and the next window's verification sends the large bucket to the ring."""
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    every = CONFIG.verify_every
+
+    def timing(step: int, c: Candidate, v: int) -> float:
+        return true_time(c, v) * (3.0 if cerar_slows and step >= DECIDED and c.components else 1.0)
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:  # the mixed plan's steps cost more
+        mixed = step >= DECIDED and plan_of(engine) == mixed_plan
+        return timing(step, c, v) + (0.5 if mixed and not cerar_slows else 0.0)
+
+    mixed_plan = {0: ("fp16", "fastest"), 1: ("cerar-fp16", "fastest")}
+    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), timing, step_cost)
+    cerar16 = {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "step")}
+    assert plans[DECIDED] == mixed_plan and plans[DECIDED + every] == cerar16
+    if cerar_slows:
+        assert plans[DECIDED + 2 * every] == mixed_plan
+        assert plans[DECIDED + 3 * every] == {0: ("fp16", "fastest"), 1: ("fp16", "verify")}
+    else:
+        assert plans[DECIDED + 2 * every] == plans[DECIDED + 3 * every] == cerar16
 
 
 @pytest.mark.parametrize("steps", [True, False])
@@ -217,19 +257,15 @@ def test_engine_keeps_a_verification_in_steps_only_if_its_steps_are_faster(verif
         return true_time(c, v) * (1.5 if step >= DECIDED and c is CERAR16 else 1.0)
 
     def step_cost(step: int, c: Candidate, v: int) -> float:
-        extra = 1.0 if c is FP16 and v == SLOTS[1] and step >= DECIDED and not verified_holds else 0.0
+        extra = 1.0 if c is FP16 and step >= DECIDED and not verified_holds else 0.0
         return call_time(step, c, v) + extra
 
-    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), call_time, step_cost)
-    assert plans[DECIDED][1] == ("cerar-fp16", "fastest")
-    assert plans[DECIDED + every][1] == ("fp16", "verify")
+    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), call_time, step_cost, LARGE)
+    assert plans[DECIDED] == {0: ("cerar-fp16", "fastest"), 1: ("cerar-fp16", "fastest")}
+    assert plans[DECIDED + every] == {0: ("fp16", "verify"), 1: ("fp16", "verify")}
     after = ("fp16", "verify") if verified_holds else ("cerar-fp16", "step")
-    assert plans[DECIDED + 2 * every][1] == after
-    assert plans[DECIDED + 3 * every][1] == after  # settled: not verified again
-    # Undone, the restored plan still meets the step check (its steps against the fastest
-    # method's trial steps); a change that held was judged against newer steps and is kept.
-    first = ("fp16", "fastest") if verified_holds else ("cerar-fp16", "step")
-    assert plans[DECIDED + 3 * every][0] == first, plans[DECIDED + 3 * every]
+    assert plans[DECIDED + 2 * every] == {0: after, 1: after}
+    assert plans[DECIDED + 3 * every] == {0: after, 1: after}  # settled: not verified again
 
 
 @pytest.mark.parametrize("ring_slowed", [1.0, 1.0735, 1.25])
@@ -380,26 +416,29 @@ def _slow_steps(factors: dict[str, float]) -> Timing:
 
 @pytest.mark.parametrize("steps", [True, False])
 def test_engine_cuts_the_trial_of_a_hopeless_candidate(steps: bool) -> None:
-    # Exact and float32 CERAR take three times the best step here: with steps float32 CERAR is
-    # cut at its first (warm-up) step, against the warm-up steps before it in the round, and
-    # exact at its turn without a step (its warm-up calls alone took longer), so that the
-    # decision comes at step 1 + 3 + 2 + 2 = 8, not 13. Calls (noisier; six trials each, as the
-    # collective's default) are cut by the faster of two counted calls, in the third round, at
-    # 1 + 4 x 3 + 2 x 3 = 19, not 25. The float16 ring, 20% slower than 16-bit CERAR, stays
-    # within prune_tol (25%) and runs its whole trial.
+    # Exact and float32 CERAR take three times the best step here: with steps both are cut at
+    # their turns in the first round without a step, against the warm-up steps before them,
+    # since the warm-up's exact calls alone (for CERAR, 5/6 of them: its bytes) took longer, so
+    # that the decision comes at step 1 + 2 + 2 + 2 = 7, not 13. Calls (noisier; six trials
+    # each, as the collective's default) are cut by the faster of two counted calls, in the third
+    # round, at 1 + 4 x 3 + 2 x 3 = 19, not 25. The float16 ring, 20% slower than 16-bit CERAR,
+    # stays within prune_tol (25%) and runs its whole trial.
     config = replace(CONFIG, prune_tol=0.25, trials=3 if steps else 6)
     engine = AutoEngine(CANDIDATES, config, Identity(), steps=steps)  # type: ignore[arg-type]
     timing = _slow_steps({"exact": 3.0, "cerar": 3.0})
     trials, cut_at = config.trials, 0 if steps else 2
     cerar_at = 1 + 4 * cut_at + 2  # float32 CERAR's step of the round it is cut in: third of four
-    decided = 1 + 4 * (cut_at + 1) + 2 * (trials - cut_at - 1) - (1 if steps else 0)
+    decided = 1 + 4 * (cut_at + 1) + 2 * (trials - cut_at - 1) - (2 if steps else 0)
     drive(engine, range(decided + 1), timing)
     cut = [(e["step"], e["candidate"], e["trial_step"]) for e in engine.history if e["event"] == "prune"]
-    assert cut == [(cerar_at, "cerar c=8", cut_at), (cerar_at + 1, "exact", cut_at)]
-    assert engine.pruned == {0, 2} and engine.phase(cerar_at)[:2] == ("trial", 2) and engine.phase(decided)[0] == "run"
+    assert cut == [(cerar_at, "cerar c=8", cut_at), (cerar_at + (0 if steps else 1), "exact", cut_at)]
+    assert [e["step_s"] is None for e in engine.history if e["event"] == "prune"] == [steps, steps]
+    # With steps, the cut candidates' turns went to the next round; calls ran theirs.
+    assert engine.pruned == {0, 2} and engine.phase(cerar_at)[:2] == (("trial", 1) if steps else ("trial", 2))
+    assert engine.phase(decided)[0] == "run"
     # After the cut the two left take turns to the end of their trials.
     left = [(k, i) for k, i in rounds(trials, [3, 1]) if i > cut_at]
-    first_left = cerar_at + (1 if steps else 2)  # with steps exact's turn went to the next round
+    first_left = cerar_at + (0 if steps else 2)
     assert [engine.phase(s)[1:] for s in range(first_left, decided)] == left
     assert [e["event"] for e in engine.history] == ["calibrate", "prune", "prune", "decide"]
     # A cut candidate is no choice; exact, cut too, stays the baseline a slot goes back to.
@@ -411,24 +450,26 @@ def test_engine_cuts_the_trial_of_a_hopeless_candidate(steps: bool) -> None:
     assert full.pruned == set() and plan_of(full) == plan_of(engine)
 
 
-@pytest.mark.parametrize("slow_on", ["both", "one", "none"])
+@pytest.mark.parametrize("slow_on", ["both", "both-far", "one", "none"])
 def test_exact_is_cut_at_its_turn_when_its_warmup_calls_alone_are_too_slow(slow_on: str) -> None:
-    # The warm-up step runs exact and carries every first-time cost (here 20 s beyond its calls):
+    # The warm-up step runs exact and carries every first-time cost (here 10 s beyond its calls):
     # its time is no measure, but its calls bound any step by exact from below. Exact's calls
-    # take 1.1x 16-bit CERAR's, but in the warm-up 3x on both ranks (exact is cut at its turn in
-    # the first round, without a step, and the decision comes three steps sooner), on one rank
-    # only (that rank waited for the other to join each call: the least over the ranks is the
-    # bound, no cut), or on none.
+    # take 1.1x 16-bit CERAR's, but in the warm-up 1.25x more on both ranks (exact is cut at its
+    # turn in the first round, without a step, and the decision comes three steps sooner), 3x
+    # (float32 CERAR, which sends 5/6 of exact's bytes in more rounds, is cut at its turn too,
+    # but not the float16 ring, a baseline), on one rank only (that rank waited for the other to
+    # join each call: the least over the ranks is the bound, no cut), or on none.
     factors = {"cerar-fp16": 1.0, "fp16": 1.05, "cerar": 1.1, "exact": 1.1}
+    warm = {"both": 1.25, "both-far": 3.0}.get(slow_on, 3.0)
     config = replace(CONFIG, prune_tol=0.25)
     group, engines = PairedGroup(), [None, None]
 
     def rank_main(rank: int) -> None:
         engine = AutoEngine(CANDIDATES, config, group.member(rank))  # type: ignore[arg-type]
-        slow = slow_on == "both" or (slow_on == "one" and rank == 0)
+        slow = slow_on.startswith("both") or (slow_on == "one" and rank == 0)
 
         def call_time(step: int, c: Candidate, v: int) -> float:
-            return v * 1e-9 * factors[c.name] * (3.0 if step == 0 and slow else 1.0)
+            return v * 1e-9 * factors[c.name] * (warm if step == 0 and slow else 1.0)
 
         def step_cost(step: int, c: Candidate, v: int) -> float:
             return call_time(step, c, v) + (10.0 if step == 0 else 0.0)
@@ -443,7 +484,13 @@ def test_exact_is_cut_at_its_turn_when_its_warmup_calls_alone_are_too_slow(slow_
     ]
     assert histories[0] == histories[1]
     exact_turn = 1 + 3  # the warm-up, then 16-bit CERAR, the float16 ring and float32 CERAR
-    if slow_on == "both":
+    if slow_on == "both-far":
+        assert histories[0] == [
+            (0, "calibrate", None), (exact_turn - 1, "prune", "cerar c=8"), (exact_turn - 1, "prune", "exact"),
+            (DECIDED - 6, "decide", None),
+        ]  # fmt: skip
+        assert engines[0].pruned == {0, 2} and engines[0].phase(exact_turn - 1) == ("trial", 1, 1)
+    elif slow_on == "both":
         assert histories[0] == [(0, "calibrate", None), (exact_turn, "prune", "exact"), (DECIDED - 3, "decide", None)]
         assert engines[0].pruned == {0} and engines[0].phase(exact_turn) == ("trial", 2, 1)
     else:

@@ -20,7 +20,9 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. Exact, which the
    warm-up ran, is cut at its first turn without a step when the warm-up's exact calls alone
    (their service times summed, the least over the ranks: a lower bound on any step by exact)
-   took ``prune_tol`` longer than the fastest warm-up step before it. A call's time
+   took ``prune_tol`` longer than the fastest warm-up step before it, and so is a CERAR
+   candidate (fewer bytes in no fewer rounds) when those calls scaled by its bytes did (float32
+   CERAR on a slow link). A call's time
    is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
    their counted calls, from the second one on (:data:`CALLS_BEFORE_CUT`);
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
@@ -37,7 +39,8 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    median), since the baseline's trial calls it went by were timed earlier and among other
    calls; otherwise the slots it changed come back as ``"step"``, not verified again.
    If one method's trial steps were faster than the
-   plan's methods' by ``margin``, that method runs the second window everywhere (``"step"``)
+   plan's methods' by ``margin``, or the plan mixes methods (a plan no trial step ran whole),
+   the fastest single method runs the second window everywhere (``"step"``)
    and the faster of the two windows' median steps is kept (two trial steps are too noisy to
    decide alone, ten steps of each are not). When the plan is one method and the trials leave
    no doubt (every counted step of the other method faster than every one of the plan's by
@@ -354,22 +357,34 @@ class AutoEngine:
             )  # fmt: skip
 
     def _cut_by_warmup(self, step: int) -> None:
-        """Exact (the warm-up's method) at its first trial step: cut without that step if the
-        warm-up step's exact calls alone took ``prune_tol`` longer than the fastest warm-up step
-        of the candidates before it. A step holds all its calls, so their summed service time
-        (each transport's overlap split among its calls) bounds any step by exact from below;
-        the step itself is no measure, as the first step carries DDP's bucket rebuild and every
-        first-time cost. Steps only; every rank judges the same agreed numbers."""
-        kind, k, i = self.phase(step)
-        if kind != "trial" or (k, i) != (0, 0) or self._warm_bound is None or self.config.prune_tol is None:
-            return
-        reference = self._reference(0, 0)
-        if reference is not None and self._warm_bound > (1.0 + self.config.prune_tol) * reference:
-            self._cut.add(0)
-            self._schedule = [(j, n) for j, n in self._schedule if j != 0]
+        """A candidate at its first trial step: cut without that step if the warm-up step's
+        exact calls alone, scaled by the bytes it sends against exact's, took ``prune_tol``
+        longer than the fastest warm-up step of the candidates before it. A step holds all
+        its calls, so their summed service time (each transport's overlap split among its
+        calls) bounds any step by exact from below; a method that sends fewer bytes in no
+        fewer rounds (the 16-bit rings, CERAR) costs at least that share of it, each call's
+        fixed cost at least exact's and each byte on the same link. The step itself is no
+        measure, as the first step carries DDP's bucket rebuild and every first-time cost.
+        Steps only; every rank judges the same agreed numbers."""
+        while True:  # a cut leaves the step to the next candidate, at its first turn too
+            kind, k, i = self.phase(step)
+            if kind != "trial" or i != 0 or self._warm_bound is None or self.config.prune_tol is None:
+                return
+            exact, method = self.candidates[0], self.candidates[k]
+            if method.rounds < exact.rounds or (method.baseline and k != 0):
+                # Its fixed cost may be below exact's: no bound. A 16-bit ring is never cut by
+                # it: its bound is half exact's, and the first-time costs the warm-up's calls
+                # may carry would count twice as much against the ring as against CERAR.
+                return
+            bound = self._warm_bound * method.bytes_per_value / exact.bytes_per_value
+            reference = self._reference(k, 0)
+            if reference is None or bound <= (1.0 + self.config.prune_tol) * reference:
+                return
+            self._cut.add(k)
+            self._schedule = [(j, n) for j, n in self._schedule if j != k]
             self.history.append(
-                {"step": step, "event": "prune", "candidate": self.candidates[0].label, "trial_step": 0,
-                 "step_s": None, "warmup_calls_s": self._warm_bound, "best_s": reference}
+                {"step": step, "event": "prune", "candidate": method.label, "trial_step": 0,
+                 "step_s": None, "warmup_calls_s": self._warm_bound, "bound_s": bound, "best_s": reference}
             )  # fmt: skip
 
     def _reference(self, k: int, i: int) -> float | None:
@@ -441,7 +456,10 @@ class AutoEngine:
 
     def _challenger(self, slots: list[int]) -> int | None:
         """The method whose trial steps were faster than every method of the plan's by
-        ``margin``, among those every slot may run (budget and pins), or None."""
+        ``margin``, among those every slot may run (budget and pins), or None. A plan that
+        mixes methods was never run whole in the trials, so its methods' trial steps do not
+        bound its own (two transports side by side, each method's calls slowed by the other's):
+        the fastest single method challenges it whatever the margin."""
         usable = set(range(len(self._uniform)))
         for s in slots:
             allowed, pinned = self.config.pinned.allowed(self.candidates, self.layout[s][1])
@@ -451,6 +469,8 @@ class AutoEngine:
         if not known or not methods:
             return None
         best = min(known, key=lambda k: (self._uniform[k], k))
+        if len(methods) > 1:
+            return best
         reference = min(self._uniform[k] for k in methods)
         return best if {best} != methods and self._uniform[best] < (1.0 - self.config.margin) * reference else None
 
