@@ -498,6 +498,32 @@ def test_exact_is_cut_at_its_turn_when_its_warmup_calls_alone_are_too_slow(slow_
         assert engines[0].pruned == set() and engines[0].phase(exact_turn) == ("trial", 0, 0)
 
 
+def test_warmup_bound_cuts_exact_and_float32_cerar_at_a_later_turn() -> None:
+    # The first steps of the 16-bit methods carry first-time costs (their buffers, their first
+    # handshakes), so the first round cuts nothing; exact's warm-up calls (1.6, the bound)
+    # and float32 CERAR's share of them (5/6: 1.33) then exceed the fastest counted median (16-bit
+    # CERAR's 1.0) by more than prune_tol: both are cut at their third-round turns, before
+    # those steps run, and the decision comes two steps sooner.
+    factors = {"cerar-fp16": 1.0, "fp16": 1.1, "cerar": 1.4, "exact": 1.6}
+    first_time = {"cerar-fp16": 1.0, "fp16": 1.0, "cerar": 0.5, "exact": 0.0}
+    config = replace(CONFIG, prune_tol=0.25)
+    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+
+    def call_time(step: int, c: Candidate, v: int) -> float:
+        return v * 1e-9 * factors[c.name]
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:
+        kind, _, i = engine.phase(step)
+        return call_time(step, c, v) + (first_time[c.name] * v * 1e-9 if kind == "trial" and i == 0 else 0.0)
+
+    drive_plans(engine, range(DECIDED + 1), call_time, step_cost, LARGE)
+    third = 1 + 4 + 4 + 2  # the third round's third step: float32 CERAR's turn, then exact's
+    cut = [(e["step"], e["candidate"], e["trial_step"], e["step_s"]) for e in engine.history if e["event"] == "prune"]
+    assert cut == [(third, "cerar c=8", 2, None), (third, "exact", 2, None)]
+    assert [e["step"] for e in engine.history if e["event"] == "decide"] == [DECIDED - 2]
+    assert {name for name, _ in plan_of(engine).values()} == {"cerar-fp16"}
+
+
 def test_one_slow_call_does_not_cut_a_close_competitor() -> None:
     # Calls: the float16 ring is as fast as 16-bit CERAR but for one call three times slower;
     # judged by the faster of its counted calls, it runs its whole trial (and is chosen).

@@ -18,11 +18,12 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    step) is cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
    calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
    float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. Exact, which the
-   warm-up ran, is cut at its first turn without a step when the warm-up's exact calls alone
+   warm-up ran, is cut at its turn without a step when the warm-up's exact calls alone
    (their service times summed, the least over the ranks: a lower bound on any step by exact)
-   took ``prune_tol`` longer than the fastest warm-up step before it, and so is a CERAR
-   candidate (fewer bytes in no fewer rounds) when those calls scaled by its bytes did (float32
-   CERAR on a slow link). A call's time
+   took ``prune_tol`` longer than the fastest warm-up step before it (at a later turn, the
+   fastest median of another's counted steps), and so is a CERAR candidate (fewer bytes in no
+   fewer rounds, the same wire) when those calls scaled by its bytes did (float32 CERAR on a slow
+   link). A call's time
    is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
    their counted calls, from the second one on (:data:`CALLS_BEFORE_CUT`);
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
@@ -357,33 +358,35 @@ class AutoEngine:
             )  # fmt: skip
 
     def _cut_by_warmup(self, step: int) -> None:
-        """A candidate at its first trial step: cut without that step if the warm-up step's
-        exact calls alone, scaled by the bytes it sends against exact's, took ``prune_tol``
-        longer than the fastest warm-up step of the candidates before it. A step holds all
+        """A candidate at its turn: cut without that step (and its later ones) if the warm-up
+        step's exact calls alone, scaled by the bytes it sends against exact's, took
+        ``prune_tol`` longer than the fastest other candidate's steps so far
+        (:meth:`_reference`: in the first round, the warm-up steps before it). A step holds all
         its calls, so their summed service time (each transport's overlap split among its
-        calls) bounds any step by exact from below; a method that sends fewer bytes in no
-        fewer rounds (the 16-bit rings, CERAR) costs at least that share of it, each call's
-        fixed cost at least exact's and each byte on the same link. The step itself is no
-        measure, as the first step carries DDP's bucket rebuild and every first-time cost.
-        Steps only; every rank judges the same agreed numbers."""
-        while True:  # a cut leaves the step to the next candidate, at its first turn too
+        calls) bounds any step by exact from below; a method that sends fewer bytes of the same
+        precision in no fewer rounds (float32 CERAR) costs at least that share of it, each call's fixed cost at least
+        exact's and each byte on the same link. Exact's own step is no better measure at its
+        first turn, as the first step carries DDP's bucket rebuild and every first-time cost,
+        and a bound known before a step saves that step. Steps only; every rank judges the
+        same agreed numbers."""
+        while True:  # a cut leaves the step to the next candidate, which may be cut too
             kind, k, i = self.phase(step)
-            if kind != "trial" or i != 0 or self._warm_bound is None or self.config.prune_tol is None:
+            if kind != "trial" or self._warm_bound is None or self.config.prune_tol is None:
                 return
             exact, method = self.candidates[0], self.candidates[k]
-            if method.rounds < exact.rounds or (method.baseline and k != 0):
-                # Its fixed cost may be below exact's: no bound. A 16-bit ring is never cut by
-                # it: its bound is half exact's, and the first-time costs the warm-up's calls
-                # may carry would count twice as much against the ring as against CERAR.
+            if method.rounds < exact.rounds or method.wire != exact.wire:
+                # Fewer rounds: its fixed cost may be below exact's, no bound. The 16-bit
+                # methods, which a slow link favours, are never cut by it: scaled down to their
+                # bytes from calls that may carry first-time costs, it could cut the fastest.
                 return
             bound = self._warm_bound * method.bytes_per_value / exact.bytes_per_value
-            reference = self._reference(k, 0)
+            reference = self._reference(k, i)
             if reference is None or bound <= (1.0 + self.config.prune_tol) * reference:
                 return
             self._cut.add(k)
-            self._schedule = [(j, n) for j, n in self._schedule if j != k]
+            self._schedule = [(j, n) for j, n in self._schedule if j != k or n < i]
             self.history.append(
-                {"step": step, "event": "prune", "candidate": method.label, "trial_step": 0,
+                {"step": step, "event": "prune", "candidate": method.label, "trial_step": i,
                  "step_s": None, "warmup_calls_s": self._warm_bound, "bound_s": bound, "best_s": reference}
             )  # fmt: skip
 
