@@ -336,9 +336,36 @@ def test_engine_contests_a_plan_with_the_fastest_trial_steps(challenger_holds: b
     assert plans[DECIDED + 3 * every] == plans[DECIDED + 2 * every]  # settled: no second contest
 
 
+def test_engine_hands_a_mixed_plan_to_the_fastest_single_method_when_its_estimate_loses() -> None:
+    """Per call the float16 ring takes the large bucket (its calls 10% under 16-bit CERAR's)
+    and 16-bit CERAR the small one: a mixed plan, as the calls alone decide it. But every
+    step by the ring takes 50 ms more (its calls taking the cores backward needs, say), so the
+    plan's estimate, its methods' trial steps weighted by the bytes each runs (80% the ring's),
+    is far above 16-bit CERAR's trial steps: in steps 16-bit CERAR takes both buckets at the
+    decision, and no window runs the mixed plan."""
+    slots = {0: 2**22, 1: 2**20}
+
+    def call_time(step: int, c: Candidate, v: int) -> float:
+        return true_time(CERAR16, v) * 0.9 if c is FP16 and v == slots[0] else true_time(c, v)
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:
+        return call_time(step, c, v) + (0.05 if c is FP16 else 0.0)
+
+    calls = AutoEngine(CANDIDATES, CONFIG, Identity(), steps=False)  # type: ignore[arg-type]
+    drive(calls, range(DECIDED + 1), call_time, slots)
+    assert {slot: method for slot, (method, _) in plan_of(calls).items()} == {0: "fp16", 1: "cerar-fp16"}
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    every = CONFIG.verify_every
+    plans = drive_plans(engine, range(DECIDED + 2 * every + 1), call_time, step_cost, slots)
+    cerar16 = {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "step")}
+    assert plans[DECIDED] == plans[DECIDED + every] == plans[DECIDED + 2 * every] == cerar16
+
+
 def test_engine_size_change_and_hysteresis() -> None:
+    # Calls (no step rules): the per-slot decision alone. In steps the slower 16-bit CERAR's
+    # trial steps would hand both slots to the ring (a mixed plan's estimate losing by the margin).
     config = AutoConfig(warmup=1, trials=3, verify_every=50, redecide_every=2, hysteresis=0.5, prune_tol=None)
-    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+    engine = AutoEngine(CANDIDATES, config, Identity(), steps=False)  # type: ignore[arg-type]
     drive(engine, range(DECIDED + 1), lambda step, c, v: true_time(c, v))
     assert engine.choose(DECIDED, 1, 2**20, 2**22).reason == "size"  # a rebuilt bucket: exact for now
     engine.begin_step(DECIDED + 1)

@@ -42,7 +42,9 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    If one method's trial steps were faster than the
    plan's methods' by ``margin``, or the plan mixes methods (a plan no trial step ran whole),
    the fastest single method runs the second window everywhere (``"step"``)
-   and the faster of the two windows' median steps is kept (two trial steps are too noisy to
+   and the faster of the two windows' median steps is kept; a mixed plan whose estimate (its
+   methods' trial steps weighted by the bytes each runs) is ``margin`` slower than that
+   method's trial steps becomes that method at once, without a window (two trial steps are too noisy to
    decide alone, ten steps of each are not). When the plan is one method and the trials leave
    no doubt (every counted step of the other method faster than every one of the plan's by
    ``margin``, the gap at least twice either's spread), the order turns: the other method runs
@@ -444,7 +446,26 @@ class AutoEngine:
             self._contest = (challenger, (dict(plan), self._uniform[method]))
             for s in slots:
                 self.plan[s] = self._choice(s, challenger, "step", plan[s].baseline)
+        elif challenger is not None and len(methods) > 1:
+            estimate = self._mixed_estimate(slots)
+            if estimate is not None and self._uniform[challenger] < (1.0 - self.config.margin) * estimate:
+                # Even the mixed plan's estimate from its methods' trial steps loses by the
+                # margin: the challenger takes every slot without a window of the plan.
+                self._contest, self._steps_checked = None, True
+                for s in slots:
+                    self.plan[s] = self._choice(s, challenger, "step", plan[s].baseline)
         self._record(step, "decide")
+
+    def _mixed_estimate(self, slots: list[int]) -> float | None:
+        """A plan's step from its methods' trial steps, each weighted by the bytes of the slots
+        it runs (each method's share of the step's communication), or None if one of them has
+        no trial step. Optimistic for a plan that mixes transports: their calls slow each other,
+        which no uniform trial step contains."""
+        total = sum(self.layout[s][1] for s in slots)
+        steps = [self._uniform[self.plan[s].candidate] for s in slots]
+        if total <= 0 or not all(map(math.isfinite, steps)):
+            return None
+        return sum(self.layout[s][1] * t for s, t in zip(slots, steps, strict=True)) / total
 
     def _clearly_faster(self, challenger: int, method: int) -> bool:
         """Whether every counted trial step of ``challenger`` beat every one of ``method`` by
