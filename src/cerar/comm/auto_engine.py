@@ -22,10 +22,10 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    (their service times summed, the least over the ranks: a lower bound on any step by exact)
    took ``prune_tol`` longer than the fastest warm-up step before it (at a later turn, the
    fastest median of another's counted steps), and so is a CERAR candidate (fewer bytes in no
-   fewer rounds, the same wire) when those calls scaled by its bytes did (float32 CERAR on a slow
-   link). A call's time
-   is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
-   their counted calls, from the second one on (:data:`CALLS_BEFORE_CUT`);
+   fewer rounds, the same wire) when those calls scaled by its bytes did (float32 CERAR on a
+   slow link). A call's time is far noisier than a step's (which sums many buckets): calls
+   are judged by the fastest of their counted calls, from the second one on
+   (:data:`CALLS_BEFORE_CUT`);
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
    elementwise maximum (the slowest rank's) on a side group, fit the cost model
    (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
@@ -39,19 +39,19 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    window is ``margin`` faster than the one before (its median step; for calls, its calls'
    median), since the baseline's trial calls it went by were timed earlier and among other
    calls; otherwise the slots it changed come back as ``"step"``, not verified again.
-   If one method's trial steps were faster than the
-   plan's methods' by ``margin``, or the plan mixes methods (a plan no trial step ran whole),
-   the fastest single method runs the second window everywhere (``"step"``)
-   and the faster of the two windows' median steps is kept; a mixed plan whose estimate (its
-   methods' trial steps weighted by the bytes each runs) is ``margin`` slower than that
-   method's trial steps becomes that method at once, without a window (two trial steps are too noisy to
-   decide alone, ten steps of each are not). When the plan is one method and the trials leave
-   no doubt (every counted step of the other method faster than every one of the plan's by
-   ``margin``, the gap at least twice either's spread), the order turns: the other method runs
-   the first window and stays if its median step beats the plan's trial steps, so that a
-   clearly slower plan costs no window. Otherwise, after the first window that ran the
-   plan unchanged, a plan whose median step is slower than the fastest single method's trial
-   steps (by ``step_tol``) becomes that method (``"step"``);
+   If one method's trial steps were faster than the plan's methods' by ``margin``, or the
+   plan mixes methods (a plan no trial step ran whole), the fastest single method runs the
+   second window everywhere (``"step"``) and the faster of the two windows' median steps is
+   kept (two trial steps are too noisy to decide alone, ten steps of each are not); a mixed
+   plan whose estimate (its methods' trial steps weighted by the bytes each runs) is
+   ``margin`` slower than that method's trial steps becomes that method at once, without a
+   window. When the plan is one method and the trials leave no doubt (every counted step of
+   the other method faster than every one of the plan's by ``margin``, the gap at least twice
+   either's spread), the order turns: the other method runs the first window and stays if its
+   median step beats the plan's trial steps, so that a clearly slower plan costs no window.
+   Otherwise, after the first window that ran the plan unchanged, a plan whose median step is
+   slower than the fastest single method's trial steps (by ``step_tol``) becomes that method
+   (``"step"``);
 5. a new calibration after ``redecide_every`` steps of the plan, or at the step after a slot's
    size changed (DDP rebuilt its buckets), with the previous plan as the hysteresis reference.
 
@@ -365,12 +365,12 @@ class AutoEngine:
         ``prune_tol`` longer than the fastest other candidate's steps so far
         (:meth:`_reference`: in the first round, the warm-up steps before it). A step holds all
         its calls, so their summed service time (each transport's overlap split among its
-        calls) bounds any step by exact from below; a method that sends fewer bytes of the same
-        precision in no fewer rounds (float32 CERAR) costs at least that share of it, each call's fixed cost at least
-        exact's and each byte on the same link. Exact's own step is no better measure at its
-        first turn, as the first step carries DDP's bucket rebuild and every first-time cost,
-        and a bound known before a step saves that step. Steps only; every rank judges the
-        same agreed numbers."""
+        calls) bounds any step by exact from below; a method that sends fewer bytes of the
+        same precision in no fewer rounds (float32 CERAR) costs at least that share of it,
+        each call's fixed cost at least exact's and each byte on the same link. Exact's own
+        step is no better measure at its first turn, as the first step carries DDP's bucket
+        rebuild and every first-time cost, and a bound known before a step saves that step.
+        Steps only; every rank judges the same agreed numbers."""
         while True:  # a cut leaves the step to the next candidate, which may be cut too
             kind, k, i = self.phase(step)
             if kind != "trial" or self._warm_bound is None or self.config.prune_tol is None:
