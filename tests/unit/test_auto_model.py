@@ -551,6 +551,34 @@ def test_warmup_bound_cuts_exact_and_float32_cerar_at_a_later_turn() -> None:
     assert {name for name, _ in plan_of(engine).values()} == {"cerar-fp16"}
 
 
+def test_a_candidate_is_cut_at_a_later_turn_by_its_own_counted_steps() -> None:
+    # Steps that are mostly compute (a fast link): float32 CERAR's and exact's take 1.5 and 1.6
+    # against 16-bit CERAR's 1.0, their calls too short for the warm-up's bound to tell. The
+    # first steps carry first-time costs, so the first round cuts nothing; in the second
+    # (reversed) round exact's counted step comes first, with no counted step of another to be
+    # judged against. At their third-round turns their own counted medians exceed the fastest
+    # other median (16-bit CERAR's) by more than prune_tol: both are cut before those steps run.
+    total = {"cerar-fp16": 1.0, "fp16": 1.1, "cerar": 1.5, "exact": 1.6}
+    first_time = {"cerar-fp16": 1.0, "fp16": 1.0, "cerar": 0.5, "exact": 0.5}
+    config = replace(CONFIG, prune_tol=0.25)
+    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+
+    def call_time(step: int, c: Candidate, v: int) -> float:
+        return 1e-3  # the link's share of a step: small, alike (the bound: 2e-3 over two slots)
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:  # per slot: half the step
+        kind, _, i = engine.phase(step)
+        return (total[c.name] + (first_time[c.name] if kind == "trial" and i == 0 else 0.0)) / len(LARGE)
+
+    drive_plans(engine, range(DECIDED + 1), call_time, step_cost, LARGE)
+    third = 1 + 4 + 4 + 2  # the third round's third step: float32 CERAR's turn, then exact's
+    cut = [(e["step"], e["candidate"], e["trial_step"], e["bound_s"]) for e in engine.history if e["event"] == "prune"]
+    assert cut == [(third, "cerar c=8", 2, pytest.approx(2e-3 * 5 / 6)), (third, "exact", 2, pytest.approx(2e-3))]
+    medians = [e["median_s"] for e in engine.history if e["event"] == "prune"]
+    assert medians == [pytest.approx(1.5), pytest.approx(1.6)]
+    assert [e["step"] for e in engine.history if e["event"] == "decide"] == [DECIDED - 2]
+
+
 def test_one_slow_call_does_not_cut_a_close_competitor() -> None:
     # Calls: the float16 ring is as fast as 16-bit CERAR but for one call three times slower;
     # judged by the faster of its counted calls, it runs its whole trial (and is chosen).

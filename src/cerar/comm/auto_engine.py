@@ -23,9 +23,10 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    took ``prune_tol`` longer than the fastest warm-up step before it (at a later turn, the
    fastest median of another's counted steps), and so is a CERAR candidate (fewer bytes in no
    fewer rounds, the same wire) when those calls scaled by its bytes did (float32 CERAR on a
-   slow link). A call's time is far noisier than a step's (which sums many buckets): calls
-   are judged by the fastest of their counted calls, from the second one on
-   (:data:`CALLS_BEFORE_CUT`);
+   slow link); at every turn a candidate's own counted steps so far are judged again against
+   the others' (one first in a reversed round had none to be judged against). A call's time
+   is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
+   their counted calls, from the second one on (:data:`CALLS_BEFORE_CUT`);
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
    elementwise maximum (the slowest rank's) on a side group, fit the cost model
    (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
@@ -276,7 +277,7 @@ class AutoEngine:
             self._restart(step, "size")
         if self._prune_due(step):
             self._prune(step)
-        self._cut_by_warmup(step)
+        self._cut_before_turn(step)
         kind, index, offset = self.phase(step)
         every = self.config.redecide_every
         if kind == "run" and every is not None and index * self.config.verify_every + offset >= every:
@@ -359,37 +360,44 @@ class AutoEngine:
                  "trial_step": i, "step_s": _finite(cost), "best_s": reference}
             )  # fmt: skip
 
-    def _cut_by_warmup(self, step: int) -> None:
-        """A candidate at its turn: cut without that step (and its later ones) if the warm-up
-        step's exact calls alone, scaled by the bytes it sends against exact's, took
-        ``prune_tol`` longer than the fastest other candidate's steps so far
-        (:meth:`_reference`: in the first round, the warm-up steps before it). A step holds all
-        its calls, so their summed service time (each transport's overlap split among its
-        calls) bounds any step by exact from below; a method that sends fewer bytes of the
-        same precision in no fewer rounds (float32 CERAR) costs at least that share of it,
-        each call's fixed cost at least exact's and each byte on the same link. Exact's own
-        step is no better measure at its first turn, as the first step carries DDP's bucket
-        rebuild and every first-time cost, and a bound known before a step saves that step.
-        Steps only; every rank judges the same agreed numbers."""
-        while True:  # a cut leaves the step to the next candidate, which may be cut too
+    def _cut_before_turn(self, step: int) -> None:
+        """A candidate at its turn: cut without that step (and its later ones) if what is
+        known of it already took ``prune_tol`` longer than the fastest other candidate's steps
+        so far (:meth:`_reference`: in the first round, the warm-up steps before it):
+
+        * the median of its own counted steps so far, judged again now that others' counted
+          steps exist (a candidate first in a reversed round had none to be judged against);
+        * the warm-up step's exact calls alone, scaled by the bytes it sends against exact's.
+          A step holds all its calls, so their summed service time (each transport's overlap
+          split among its calls) bounds any step by exact from below; a method that sends
+          fewer bytes of the same precision in no fewer rounds (float32 CERAR) costs at least
+          that share of it, each call's fixed cost at least exact's and each byte on the same
+          link. Exact's own step is no better measure at its first turn, as the first step
+          carries DDP's bucket rebuild and every first-time cost.
+
+        Steps only (a call is judged by its counted calls); every rank judges the same agreed
+        numbers."""
+        while self.steps and self.config.prune_tol is not None:  # a cut leaves the step to the next
             kind, k, i = self.phase(step)
-            if kind != "trial" or self._warm_bound is None or self.config.prune_tol is None:
+            reference = self._reference(k, i) if kind == "trial" else None
+            if reference is None:
                 return
+            median = _median([self._agreed_costs.get((k, n), MISSING) for n in range(1, i)], None)
             exact, method = self.candidates[0], self.candidates[k]
-            if method.rounds < exact.rounds or method.wire != exact.wire:
-                # Fewer rounds: its fixed cost may be below exact's, no bound. The 16-bit
+            bound = None
+            if self._warm_bound is not None and method.rounds >= exact.rounds and method.wire == exact.wire:
+                # (Fewer rounds: its fixed cost may be below exact's, no bound. The 16-bit
                 # methods, which a slow link favours, are never cut by it: scaled down to their
-                # bytes from calls that may carry first-time costs, it could cut the fastest.
-                return
-            bound = self._warm_bound * method.bytes_per_value / exact.bytes_per_value
-            reference = self._reference(k, i)
-            if reference is None or bound <= (1.0 + self.config.prune_tol) * reference:
+                # bytes from calls that may carry first-time costs, it could cut the fastest.)
+                bound = self._warm_bound * method.bytes_per_value / exact.bytes_per_value
+            known = [t for t in (median, bound) if t is not None]
+            if not known or max(known) <= (1.0 + self.config.prune_tol) * reference:
                 return
             self._cut.add(k)
             self._schedule = [(j, n) for j, n in self._schedule if j != k or n < i]
             self.history.append(
-                {"step": step, "event": "prune", "candidate": method.label, "trial_step": i,
-                 "step_s": None, "warmup_calls_s": self._warm_bound, "bound_s": bound, "best_s": reference}
+                {"step": step, "event": "prune", "candidate": method.label, "trial_step": i, "step_s": None,
+                 "median_s": median, "warmup_calls_s": self._warm_bound, "bound_s": bound, "best_s": reference}
             )  # fmt: skip
 
     def _reference(self, k: int, i: int) -> float | None:
