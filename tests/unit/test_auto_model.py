@@ -525,46 +525,27 @@ def test_exact_is_cut_at_its_turn_when_its_warmup_calls_alone_are_too_slow(slow_
         assert engines[0].pruned == set() and engines[0].phase(exact_turn) == ("trial", 0, 0)
 
 
-def test_warmup_bound_cuts_exact_and_float32_cerar_at_a_later_turn() -> None:
-    # The first steps of the 16-bit methods carry first-time costs (their buffers, their first
-    # handshakes), so the first round cuts nothing; exact's warm-up calls (1.6, the bound)
-    # and float32 CERAR's share of them (5/6: 1.33) then exceed the fastest counted median (16-bit
-    # CERAR's 1.0) by more than prune_tol: both are cut at their third-round turns, before
-    # those steps run, and the decision comes two steps sooner.
-    factors = {"cerar-fp16": 1.0, "fp16": 1.1, "cerar": 1.4, "exact": 1.6}
-    first_time = {"cerar-fp16": 1.0, "fp16": 1.0, "cerar": 0.5, "exact": 0.0}
-    config = replace(CONFIG, prune_tol=0.25)
-    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
-
-    def call_time(step: int, c: Candidate, v: int) -> float:
-        return v * 1e-9 * factors[c.name]
-
-    def step_cost(step: int, c: Candidate, v: int) -> float:
-        kind, _, i = engine.phase(step)
-        return call_time(step, c, v) + (first_time[c.name] * v * 1e-9 if kind == "trial" and i == 0 else 0.0)
-
-    drive_plans(engine, range(DECIDED + 1), call_time, step_cost, LARGE)
-    third = 1 + 4 + 4 + 2  # the third round's third step: float32 CERAR's turn, then exact's
-    cut = [(e["step"], e["candidate"], e["trial_step"], e["step_s"]) for e in engine.history if e["event"] == "prune"]
-    assert cut == [(third, "cerar c=8", 2, None), (third, "exact", 2, None)]
-    assert [e["step"] for e in engine.history if e["event"] == "decide"] == [DECIDED - 2]
-    assert {name for name, _ in plan_of(engine).values()} == {"cerar-fp16"}
-
-
-def test_a_candidate_is_cut_at_a_later_turn_by_its_own_counted_steps() -> None:
-    # Steps that are mostly compute (a fast link): float32 CERAR's and exact's take 1.5 and 1.6
-    # against 16-bit CERAR's 1.0, their calls too short for the warm-up's bound to tell. The
-    # first steps carry first-time costs, so the first round cuts nothing; in the second
+@pytest.mark.parametrize("by", ["bound", "own steps"])
+def test_exact_and_float32_cerar_are_cut_at_a_later_turn(by: str) -> None:
+    # The first steps carry first-time costs, so the first round cuts nothing; in the second
     # (reversed) round exact's counted step comes first, with no counted step of another to be
-    # judged against. At their third-round turns their own counted medians exceed the fastest
-    # other median (16-bit CERAR's) by more than prune_tol: both are cut before those steps run.
-    total = {"cerar-fp16": 1.0, "fp16": 1.1, "cerar": 1.5, "exact": 1.6}
-    first_time = {"cerar-fp16": 1.0, "fp16": 1.0, "cerar": 0.5, "exact": 0.5}
-    config = replace(CONFIG, prune_tol=0.25)
-    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+    # judged against. At their third-round turns both are cut before those steps run, and the
+    # decision comes two steps sooner, by what is known then against the fastest counted median
+    # (16-bit CERAR's 1.0, prune_tol 0.25):
+    # * "bound": steps that are their calls; exact's warm-up calls (1.6 per step) and float32
+    #   CERAR's share of them (5/6: 1.33) exceed 1.25;
+    # * "own steps": steps that are mostly compute (a fast link), their calls too short for the
+    #   warm-up's bound to tell (2e-3 over two slots); their own counted medians (1.5, 1.6) do.
+    if by == "bound":
+        total = {"cerar-fp16": 1.0, "fp16": 1.1, "cerar": 1.4, "exact": 1.6}
+        first_time = {"cerar-fp16": 1.0, "fp16": 1.0, "cerar": 0.5, "exact": 0.0}
+    else:
+        total = {"cerar-fp16": 1.0, "fp16": 1.1, "cerar": 1.5, "exact": 1.6}
+        first_time = {"cerar-fp16": 1.0, "fp16": 1.0, "cerar": 0.5, "exact": 0.5}
+    engine = AutoEngine(CANDIDATES, replace(CONFIG, prune_tol=0.25), Identity())  # type: ignore[arg-type]
 
-    def call_time(step: int, c: Candidate, v: int) -> float:
-        return 1e-3  # the link's share of a step: small, alike (the bound: 2e-3 over two slots)
+    def call_time(step: int, c: Candidate, v: int) -> float:  # per slot
+        return total[c.name] / len(LARGE) if by == "bound" else 1e-3
 
     def step_cost(step: int, c: Candidate, v: int) -> float:  # per slot: half the step
         kind, _, i = engine.phase(step)
@@ -572,11 +553,15 @@ def test_a_candidate_is_cut_at_a_later_turn_by_its_own_counted_steps() -> None:
 
     drive_plans(engine, range(DECIDED + 1), call_time, step_cost, LARGE)
     third = 1 + 4 + 4 + 2  # the third round's third step: float32 CERAR's turn, then exact's
-    cut = [(e["step"], e["candidate"], e["trial_step"], e["bound_s"]) for e in engine.history if e["event"] == "prune"]
-    assert cut == [(third, "cerar c=8", 2, pytest.approx(2e-3 * 5 / 6)), (third, "exact", 2, pytest.approx(2e-3))]
-    medians = [e["median_s"] for e in engine.history if e["event"] == "prune"]
-    assert medians == [pytest.approx(1.5), pytest.approx(1.6)]
+    cuts = [e for e in engine.history if e["event"] == "prune"]
+    assert [(e["step"], e["candidate"], e["trial_step"], e["step_s"]) for e in cuts] == [
+        (third, "cerar c=8", 2, None), (third, "exact", 2, None)
+    ]  # fmt: skip
+    bound = 1.6 if by == "bound" else 2e-3
+    assert [e["bound_s"] for e in cuts] == [pytest.approx(bound * 5 / 6), pytest.approx(bound)]
+    assert [e["median_s"] for e in cuts] == [pytest.approx(total["cerar"]), pytest.approx(total["exact"])]
     assert [e["step"] for e in engine.history if e["event"] == "decide"] == [DECIDED - 2]
+    assert {name for name, _ in plan_of(engine).values()} == {"cerar-fp16"}
 
 
 def test_one_slow_call_does_not_cut_a_close_competitor() -> None:
