@@ -452,17 +452,20 @@ class AutoEngine:
             # the first window and stays if its steps beat that method's trial steps.
             (method,) = methods
             self._contest = (challenger, (dict(plan), self._uniform[method]))
-            for s in slots:
-                self.plan[s] = self._choice(s, challenger, "step", plan[s].baseline)
+            self._everywhere(challenger, slots)
         elif challenger is not None and len(methods) > 1:
             estimate = self._mixed_estimate(slots)
             if estimate is not None and self._uniform[challenger] < (1.0 - self.config.margin) * estimate:
                 # Even the mixed plan's estimate from its methods' trial steps loses by the
                 # margin: the challenger takes every slot without a window of the plan.
                 self._contest, self._steps_checked = None, True
-                for s in slots:
-                    self.plan[s] = self._choice(s, challenger, "step", plan[s].baseline)
+                self._everywhere(challenger, slots)
         self._record(step, "decide")
+
+    def _everywhere(self, method: int, slots: list[int]) -> None:
+        """Every slot by ``method`` (reason ``"step"``), each keeping its baseline."""
+        for s in slots:
+            self.plan[s] = self._choice(s, method, "step", self.plan[s].baseline)
 
     def _mixed_estimate(self, slots: list[int]) -> float | None:
         """A plan's step from its methods' trial steps, each weighted by the bytes of the slots
@@ -601,8 +604,7 @@ class AutoEngine:
         elif held is None:
             assert challenger is not None  # a verification's contest holds its plan from the start
             self._contest = (challenger, (dict(self.plan), plan_step))
-            for s in slots:
-                self.plan[s] = self._choice(s, challenger, "step", self.plan[s].baseline)
+            self._everywhere(challenger, slots)
         else:
             plan, held_step = held
             # A challenger had trial steps `margin` faster than the plan; a verification's change
