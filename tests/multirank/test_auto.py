@@ -89,8 +89,10 @@ def _ddp_auto(rank: int, world_size: int, fail_cerar: bool) -> dict[str, Any]:
     got = torch.cat([p.grad.reshape(-1) for p in module.parameters()])
     chosen = {b["method"] for b in state.plan}
     errors = {c.label: c.predicted_error for c in state.candidates}
+    decided = [e for e in state.decisions if e["event"] == "decide"]
     return {
         "plan": [(b["slot"], b["method"], b["reason"]) for b in state.plan],
+        "trial_steps": decided[0]["step_s"] if decided else None,
         "error": float((got - exact).norm() / exact.norm()),
         "bound": 3 * max(errors[m] for m in chosen),
         "reasons": reasons,
@@ -103,6 +105,11 @@ def test_ddp_ranks_with_differing_timings_choose_alike() -> None:
     assert results[0]["plan"] == results[1]["plan"] == results[2]["plan"]
     assert {method for _, method, _ in results[0]["plan"]} == {"cerar-fp16 c=6"}
     assert {"warmup", "trial", "fastest"} <= results[0]["reasons"]
+    # Every candidate's counted trial step was timed (from its pass's last bucket to the next
+    # pass's) and agreed: the same positive figures on every rank.
+    steps = results[0]["trial_steps"]
+    assert steps is not None and len(steps) == 4 and all(t is not None and t > 0.0 for t in steps.values()), steps
+    assert results[1]["trial_steps"] == results[2]["trial_steps"] == steps
     for r in results:  # 16-bit CERAR's error: above float32 rounding, within its prediction
         assert 1e-5 < r["error"] < r["bound"], r
         # Its trial steps took turns with the other methods' while the gradients grew: every

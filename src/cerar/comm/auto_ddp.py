@@ -10,7 +10,9 @@ predicted above ``max_error`` are left out. The schedule, the agreement and the 
 :class:`cerar.comm.auto_engine.AutoEngine`'s: exact warm-up steps, whole trial steps of each
 candidate (one whose steps are far slower than an earlier one's is cut short), then per bucket
 the smallest predicted time (CERAR only by a margin over the best exact/16-bit ring), verified
-online. The measured time of a bucket is its share of the link
+online by the steps. A step is timed from the end of the step before to its last bucket's
+completion (the moment the ranks' last collective ends, about the same on every rank). The
+measured time of a bucket, which fits the cost model, is its share of the link
 (:class:`cerar.comm.auto_link.LinkClock`): from when its transport serves it (cerar's thread one
 call at a time, Gloo's threads a few) to its completion, with the time it overlapped other calls
 split among them. The engine's collectives run on a side Gloo group created with the
@@ -234,14 +236,14 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     group = state.resolve_group(True, buffer.dtype)
     engine = state.engine
     assert engine is not None and state.candidates is not None
+    step = state.iteration
     if buffer.layout != torch.strided:  # sparse: DDP's default, as cerar_hook does
         state.bucket_started(bucket.is_last())
         state.sparse_buckets += 1
-        return _chain(state, bucket, _exact(state, state.candidates[0], bucket, group, CommStats()), None)
-    step = state.iteration
+        return _chain(state, bucket, _exact(state, state.candidates[0], bucket, group, CommStats()), step)
     if not state._in_pass:
         state._in_pass = True
-        engine.begin_step(step, time.perf_counter())
+        engine.begin_step(step)
     nbytes = buffer.numel() * buffer.element_size()
     choice = engine.choose(step, bucket.index(), buffer.numel(), nbytes)
     state.bucket_started(bucket.is_last())
@@ -266,19 +268,26 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state.torch_buckets += 1
         state.torch_bytes += round(candidate.bytes_per_value * buffer.numel())
     token = state._link.launch(candidate.transport, started)
-    return _chain(state, bucket, future, (step, choice, token, call, bucket_stats))
+    return _chain(state, bucket, future, step, (choice, token, call, bucket_stats))
 
 
-def _chain(state: AutoState, bucket: dist.GradBucket, future: Any, launched: Any) -> torch.futures.Future[Any]:
-    """The bookkeeping after a bucket's future: measurement, record, the step's statistics."""
+def _chain(
+    state: AutoState, bucket: dist.GradBucket, future: Any, step: int, launched: Any = None
+) -> torch.futures.Future[Any]:
+    """The bookkeeping after a bucket's future: measurement, record, the step's statistics, and
+    the step's end for the engine when this bucket was its last (``launched`` None: sparse)."""
+
+    def close(call: CommStats | None, bucket_stats: CommStats | None) -> None:
+        if state.bucket_done(call, bucket_stats) and state.engine is not None:
+            state.engine.end_step(step, time.perf_counter())
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         if launched is None:  # sparse
             try:
                 return _tensor(fut.value())
             finally:
-                state.bucket_done(None, None)
-        step, choice, token, call, bucket_stats = launched
+                close(None, None)
+        choice, token, call, bucket_stats = launched
         share = state._link.done(token, time.perf_counter())  # also when the call failed
         engine = state.engine
         try:
@@ -304,7 +313,7 @@ def _chain(state: AutoState, bucket: dist.GradBucket, future: Any, launched: Any
                 state._step.buckets.append(record)  # type: ignore[attr-defined]
             return result
         finally:
-            state.bucket_done(call, bucket_stats)
+            close(call, bucket_stats)
 
     return future.then(finish)
 

@@ -12,8 +12,9 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    goes) moves every candidate's counted steps alike instead of favouring whichever was tried
    last. Every slot of a step by that step's candidate, so that whole steps compare (CERAR's
    coding competes with backward for the cores). A candidate's first step (the first round)
-   warms it up and is not counted. After every trial step the ranks agree its time (the
-   slowest rank's); a candidate whose step took more than ``prune_tol`` longer than the fastest
+   warms it up and is not counted. A step is timed from the end of the step before to the
+   end of its last slot (:meth:`AutoEngine.end_step`). After every trial step the ranks agree
+   its time (the slowest rank's); a candidate whose step took more than ``prune_tol`` longer than the fastest
    other candidate's so far (the median of its counted steps; in the first round, its warm-up
    step) is cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
    calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
@@ -32,14 +33,19 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
    then agreed as the elementwise smallest candidate index, so that no platform's rounding
    can split the ranks;
-4. windows of ``verify_every`` steps by the plan, each agreed at its end: a slot by CERAR
-   measured slower than predicted (by ``verify_tol``) or than its baseline goes to the
-   baseline (``"verify"``). With steps (DDP), a call's time does not show what its coding
-   takes from backward, a step's does: a slot is compared with its baseline's calls only on
-   one transport. A verification's change runs the next window and stays only if that
+4. windows of ``verify_every`` steps by the plan, each agreed at its end: for calls, a slot
+   by CERAR measured slower than predicted (by ``verify_tol``) or than its baseline goes to
+   the baseline (``"verify"``). With steps (DDP) the window's median step is what is judged,
+   the measure the trials decided by: a window ``verify_tol`` slower than the plan's estimate
+   from its trial steps sends every slot by CERAR to its baseline. A call's time in a
+   backward pass does not show what the call costs the step: the first bucket's call waits
+   for the ranks to reach it and shares the cores with the rest of backward (time the step
+   spends anyway), its coding takes from backward what no call time shows, and the calls of
+   two transports overlap. A verification's change runs the next window and stays only if that
    window is ``margin`` faster than the one before (its median step; for calls, its calls'
-   median), since the baseline's trial calls it went by were timed earlier and among other
-   calls; otherwise the slots it changed come back as ``"step"``, not verified again.
+   median), since what it went by was timed earlier (the baseline's trial calls, among other
+   calls; the plan's trial steps); otherwise the slots it changed come back as ``"step"``,
+   not verified again.
    If one method's trial steps were faster than the plan's methods' by ``margin``, or the
    plan mixes methods (a plan no trial step ran whole), the fastest single method runs the
    second window everywhere (``"step"``) and the faster of the two windows' median steps is
@@ -175,12 +181,13 @@ class AutoEngine:
     """The schedule and the decisions of one stream of steps (see the module doc).
 
     Call :meth:`begin_step` before a step's first slot, :meth:`choose` for each slot (before it
-    runs) and :meth:`measured` when it is done (any thread). ``plan`` maps slots to the current
-    :class:`Choice`; ``history`` lists the decisions as plain values (``cerar train``'s JSON).
+    runs), :meth:`measured` when it is done and, for steps, :meth:`end_step` when its last slot
+    is done (any thread). ``plan`` maps slots to the current :class:`Choice`; ``history`` lists
+    the decisions as plain values (``cerar train``'s JSON).
     """
 
     __slots__ = (
-        "_agreed_costs", "_began", "_contest", "_costs", "_cut", "_lock", "_order", "_previous", "_schedule",
+        "_agreed_costs", "_contest", "_costs", "_cut", "_ended", "_lock", "_order", "_previous", "_schedule",
         "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform", "_warm_bound", "_warm_calls",
         "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
         "plan", "start", "steps",
@@ -202,7 +209,7 @@ class AutoEngine:
         self._previous: dict[int, tuple[int, int]] = {}  # slot -> (numel, candidate) for hysteresis
         self._stale = False
         self._steps_checked = False
-        self._began: tuple[int, float] | None = None  # the last step begun and when
+        self._ended: tuple[int, float] | None = None  # the last step ended and when
         self._trial: dict[tuple[int, int, int], float] = {}  # (candidate, trial, slot) -> seconds
         self._window: dict[tuple[int, int, int], float] = {}  # (window, step, slot) -> seconds
         self._window_steps: dict[tuple[int, int], float] = {}
@@ -263,14 +270,9 @@ class AutoEngine:
     def _prune_due(self, step: int) -> bool:
         return self.config.prune_tol is not None and self.start is not None and self.phase(step - 1)[0] == "trial"
 
-    def begin_step(self, step: int, now: float = 0.0) -> None:
-        """Step ``step`` starts (at ``now``, ``time.perf_counter()``): the previous step's
-        duration is noted, and at the schedule's points the ranks agree and decide (a collective
-        on the side group: every rank calls this at the same step)."""
-        with self._lock:  # calls (``steps=False``) are timed by measured() alone
-            if self.steps and self._began is not None and self._began[0] == step - 1:
-                self._note_step(step - 1, now - self._began[1])
-            self._began = (step, now)
+    def begin_step(self, step: int) -> None:
+        """Step ``step`` starts: at the schedule's points the ranks agree and decide (a
+        collective on the side group: every rank calls this at the same step)."""
         if self.start is None:
             self._restart(step, "first")
         elif self._stale:
@@ -285,6 +287,21 @@ class AutoEngine:
             kind, index, offset = self.phase(step)
         if kind == "run" and offset == 0:
             self._decide(step) if index == 0 else self._verify(step, index - 1)
+
+    def end_step(self, step: int, now: float) -> None:
+        """Step ``step``'s last slot is done (at ``now``, ``time.perf_counter()``): its time is
+        noted, from the end of the step before (steps only; calls are timed by measured()).
+
+        A step is timed between the ends of its communication, not between the first slots of
+        two passes: the last collective of a step ends at about the same moment on every rank,
+        while the moment a backward pass hands over its first bucket scatters from rank to rank
+        and step to step (the ranks' threads share the cores): timed from first slot to first
+        slot, each rank's steps scattered widely around the common pace, and their maximum over
+        the ranks, what the ranks agree, stood above every rank's true step."""
+        with self._lock:
+            if self.steps and self._ended is not None and self._ended[0] == step - 1:
+                self._note_step(step, now - self._ended[1])
+            self._ended = (step, now)
 
     def choose(self, step: int, slot: int, numel: int, nbytes: int) -> Choice:
         """The method of ``slot`` (``numel`` values, ``nbytes`` bytes) at ``step``."""
@@ -553,42 +570,39 @@ class AutoEngine:
         at = dict(zip(keys, agreed, strict=False))
         before = dict(self.plan)
         window_s = {s: _median([at[(window, j, s)] for j in range(every)], unknown=None) for s in slots}
-        for s in slots if self._contest is None else ():  # a contest's windows are judged by their steps
-            choice, measured = self.plan[s], window_s[s]
-            if measured is None or self.candidates[choice.candidate].baseline or choice.reason in ("pinned", "step"):
-                continue  # nothing measured, nothing to go back to, or judged by the steps
-            slow = choice.predicted_s is None or measured > choice.predicted_s * (1 + config.verify_tol)
-            if slow or measured > self._baseline_time(choice, s) * (1 + config.step_tol):
-                self.plan[s] = self._choice(s, choice.baseline, "verify", choice.baseline)
         if self.steps:
             plan_step = _median(agreed[len(keys) :], unknown=None)
         else:  # calls: the window's time is its calls' (the collective's stream has one slot)
             plan_step = None if any(window_s[s] is None for s in slots) else sum(window_s[s] for s in slots)
+        # Steps: the window's step against the plan's estimate from its trial steps.
+        estimate = self._mixed_estimate(slots) if self.steps and plan_step is not None else None
+        slow_step = estimate is not None and plan_step is not None and plan_step > estimate * (1 + config.verify_tol)
+        for s in slots if self._contest is None else ():  # a contest's windows are judged by their steps
+            choice, measured = self.plan[s], window_s[s]
+            if self.candidates[choice.candidate].baseline or choice.reason in ("pinned", "step"):
+                continue  # nothing to go back to, or judged by the steps
+            if self.steps:
+                slow = slow_step
+            elif measured is None:
+                continue
+            else:
+                slow = choice.predicted_s is None or measured > choice.predicted_s * (1 + config.verify_tol)
+                slow = slow or measured > self._slot_times.get((choice.baseline, s), math.inf) * (1 + config.step_tol)
+            if slow:
+                self.plan[s] = self._choice(s, choice.baseline, "verify", choice.baseline)
         if self._contest is not None:
             self._run_contest(slots, plan_step, unchanged=self.plan == before)
         elif self.plan != before and plan_step is not None:
-            # The verification compared this window's calls with the baseline's trial calls,
-            # timed earlier and among other calls; in steps a slot's call time does not even
-            # show what its method costs the step (a call on the other transport beside it,
-            # the coding beside backward). So the plan the verification made runs the next
-            # window, and stays only if that window is `margin` faster than this one: like with like.
+            # The verification compared this window with figures timed earlier (the baseline's
+            # trial calls, among other calls; the plan's trial steps). So the plan it made runs
+            # the next window, and stays only if that window is `margin` faster than this one:
+            # like with like.
             self._contest = (None, (before, plan_step))
         # The steps compare once, in the first window that ran the plan as it stands.
         elif self.steps and not self._steps_checked and self.plan == before and plan_step is not None:
             self._steps_checked = True
             self._check_steps(slots, plan_step)
         self._record(step, "verify", window_s={s: _finite(t) for s, t in window_s.items()}, window_step_s=plan_step)
-
-    def _baseline_time(self, choice: Choice, slot: int) -> float:
-        """The baseline's measured calls at ``slot``, what a CERAR slot must beat; ``inf`` (no
-        call comparison) in steps when the baseline runs on the other transport. A step's torch
-        calls run side by side on Gloo's threads while cerar's queue on its one thread, so
-        their times per call are not on one footing (the ring's calls can time shorter in steps
-        that take longer); there the steps judge (the step check and the contests)."""
-        baseline, method = self.candidates[choice.baseline], self.candidates[choice.candidate]
-        if self.steps and baseline.transport != method.transport:
-            return math.inf
-        return self._slot_times.get((choice.baseline, slot), math.inf)
 
     def _run_contest(self, slots: list[int], plan_step: float | None, unchanged: bool) -> None:
         """The plan's window has ended: the challenger runs the next one; the challenger's has

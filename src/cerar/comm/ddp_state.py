@@ -371,9 +371,10 @@ class CerarState(ReplicaSync):
             if last:
                 self.iteration += 1
 
-    def bucket_done(self, call: CommStats | None, bucket_stats: CommStats | None) -> None:
+    def bucket_done(self, call: CommStats | None, bucket_stats: CommStats | None) -> bool:
         """Count a finished bucket in; the step is over once its last bucket has started and
-        every started bucket has finished (a sparse one may finish after a later dense one)."""
+        every started bucket has finished (a sparse one may finish after a later dense one).
+        Returns whether this bucket ended the step."""
         with self._lock:
             if call is not None and bucket_stats is not None:
                 self.stats.add(call)
@@ -381,11 +382,12 @@ class CerarState(ReplicaSync):
                 self._step.add(call)
             self._open_buckets -= 1
             if not (self._step_closing and self._open_buckets == 0):
-                return
+                return False
             record, self._step, self._step_closing = self._step, self._STEP_RECORD(), False
             self.last_step = record
         if self.on_step is not None:
             self.on_step(self, record)
+        return True
 
     def __repr__(self) -> str:
         return (
