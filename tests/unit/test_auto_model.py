@@ -126,14 +126,22 @@ def drive(engine: AutoEngine, steps: range, timing: Timing, slots: dict[int, int
 
 
 def drive_plans(
-    engine: AutoEngine, steps: range, call_time: Timing, step_cost: Timing, slots: dict[int, int] = SLOTS
+    engine: AutoEngine,
+    steps: range,
+    call_time: Timing,
+    step_cost: Timing,
+    slots: dict[int, int] = SLOTS,
+    lead: float = 0.0,
+    clock: bool = True,
 ) -> dict[int, dict]:
-    """Like :func:`drive`, with the calls timed by ``call_time`` and the step by the sum of
-    ``step_cost`` (which may differ: what a method costs the step beyond its calls); returns
-    the plan at the start of each step."""
+    """Like :func:`drive`, with the calls timed by ``call_time`` and the step by ``lead`` (the
+    compute before its first slot) plus the sum of ``step_cost`` (which may differ from the
+    calls: what a method costs the step beyond them); returns the plan at each step's start.
+    ``clock=False``: the step's start is not given to the engine (it cannot time the lead)."""
     now, plans = 0.0, {}
     for step in steps:
-        engine.begin_step(step)
+        now += lead
+        engine.begin_step(step, now if clock else None)
         plans[step] = plan_of(engine)
         for slot, numel in slots.items():
             choice = engine.choose(step, slot, numel, 4 * numel)
@@ -549,6 +557,43 @@ def test_exact_is_cut_at_its_turn_when_its_warmup_calls_alone_are_too_slow(slow_
     else:
         assert histories[0] == [(0, "calibrate", None), (DECIDED, "decide", None)]
         assert engines[0].pruned == set() and engines[0].phase(exact_turn) == ("trial", 0, 0)
+
+
+@pytest.mark.parametrize("clock", [True, False])
+def test_the_warmup_bound_adds_the_compute_before_the_first_slot(clock: bool) -> None:
+    """Steps as much compute as communication (a 100 Mbit/s link): each step spends 0.3 before
+    its first slot (the lead), then its calls (16-bit CERAR 0.2, the float16 ring 0.24, float32
+    CERAR 0.4, exact 0.48 over the two slots). At float32 CERAR's first turn the fastest step
+    before it took 0.5 (16-bit CERAR's; prune_tol 0.25: 0.625): the warm-up's exact calls
+    scaled to its bytes (0.4) or whole (0.48, exact's turn) do not exceed it, but with the lead
+    (0.7, 0.78) they do, and both are cut without a step. An engine not given the steps'
+    starts cannot time the lead: the two run their first steps and are cut after them, and the
+    decision comes two steps later."""
+    lead, calls = 0.3, {"cerar-fp16": 0.2, "fp16": 0.24, "cerar": 0.4, "exact": 0.48}
+    engine = AutoEngine(CANDIDATES, replace(CONFIG, prune_tol=0.25), Identity())  # type: ignore[arg-type]
+
+    def call_time(step: int, c: Candidate, v: int) -> float:  # per slot
+        return calls[c.name] / len(LARGE)
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:  # the warm-up carries first-time costs
+        return call_time(step, c, v) + (10.0 if step == 0 else 0.0)
+
+    drive_plans(engine, range(DECIDED + 1), call_time, step_cost, LARGE, lead=lead, clock=clock)
+    cuts = [e for e in engine.history if e["event"] == "prune"]
+    turn = 1 + 2  # the warm-up, 16-bit CERAR, the float16 ring: float32 CERAR's turn, then exact's
+    if clock:
+        assert [(e["step"], e["candidate"], e["step_s"]) for e in cuts] == [
+            (turn, "cerar c=8", None), (turn, "exact", None)
+        ]  # fmt: skip
+        assert [e["lead_s"] for e in cuts] == [pytest.approx(lead)] * 2
+        assert [e["bound_s"] for e in cuts] == [pytest.approx(0.48 * 5 / 6 + lead), pytest.approx(0.48 + lead)]
+    else:
+        assert [(e["step"], e["candidate"], e["step_s"]) for e in cuts] == [
+            (turn, "cerar c=8", pytest.approx(0.7)), (turn + 1, "exact", pytest.approx(0.78))
+        ]  # fmt: skip
+    decided = [e["step"] for e in engine.history if e["event"] == "decide"]
+    assert decided == [DECIDED - 6 if clock else DECIDED - 4]
+    assert {name for name, _ in plan_of(engine).values()} == {"cerar-fp16"}
 
 
 @pytest.mark.parametrize("by", ["bound", "own steps"])

@@ -243,7 +243,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         return _chain(state, bucket, _exact(state, state.candidates[0], bucket, group, CommStats()), step)
     if not state._in_pass:
         state._in_pass = True
-        engine.begin_step(step)
+        engine.begin_step(step, time.perf_counter())
     nbytes = buffer.numel() * buffer.element_size()
     choice = engine.choose(step, bucket.index(), buffer.numel(), nbytes)
     state.bucket_started(bucket.is_last())

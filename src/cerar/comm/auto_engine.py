@@ -19,11 +19,12 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    step) is cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
    calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
    float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. Exact, which the
-   warm-up ran, is cut at its turn without a step when the warm-up's exact calls alone
-   (their service times summed, the least over the ranks: a lower bound on any step by exact)
-   took ``prune_tol`` longer than the fastest warm-up step before it (at a later turn, the
-   fastest median of another's counted steps), and so is a CERAR candidate (fewer bytes in no
-   fewer rounds, the same wire) when those calls scaled by its bytes did (float32 CERAR on a
+   warm-up ran, is cut at its turn without a step when the warm-up's exact calls (their
+   service times summed, the least over the ranks) plus the least time any step spent before
+   its first slot (the lead: together a lower bound on any step by exact) took ``prune_tol``
+   longer than the fastest warm-up step before it (at a later turn, the fastest median of
+   another's counted steps), and so is a CERAR candidate (fewer bytes in no fewer rounds, the
+   same wire) when those calls scaled by its bytes, plus the lead, did (float32 CERAR on a
    slow link); at every turn a candidate's own counted steps so far are judged again against
    the others' (one first in a reversed round had none to be judged against). A call's time
    is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
@@ -187,10 +188,10 @@ class AutoEngine:
     """
 
     __slots__ = (
-        "_agreed_costs", "_contest", "_costs", "_cut", "_ended", "_lock", "_order", "_previous", "_schedule",
-        "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform", "_warm_bound", "_warm_calls",
-        "_window", "_window_steps", "agreement", "candidates", "config", "history", "layout", "model",
-        "plan", "start", "steps",
+        "_agreed_costs", "_contest", "_costs", "_cut", "_ended", "_lead", "_lead_local", "_lock", "_order",
+        "_previous", "_schedule", "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform",
+        "_warm_bound", "_warm_calls", "_window", "_window_steps", "agreement", "candidates", "config", "history",
+        "layout", "model", "plan", "start", "steps",
     )  # fmt: skip
 
     def __init__(
@@ -227,6 +228,12 @@ class AutoEngine:
         # ranks: a lower bound on any step by exact (steps only).
         self._warm_calls = 0.0
         self._warm_bound: float | None = None
+        # The time from a step's end to this step's first slot (the optimizer, the forward
+        # pass, backward up to its first bucket: no communication runs then), local; agreed
+        # per trial step as the slowest rank's (no rank's calls of a step finish before every
+        # rank has joined them), and the least of those: what any step spends beside its calls.
+        self._lead_local = math.inf
+        self._lead: float | None = None
         self._uniform: list[float] = []  # their medians
         # The window contest of a plan against the method of the fastest trial steps: (the
         # challenger, None) before the plan's window ends, then (the plan, its median step).
@@ -270,13 +277,18 @@ class AutoEngine:
     def _prune_due(self, step: int) -> bool:
         return self.config.prune_tol is not None and self.start is not None and self.phase(step - 1)[0] == "trial"
 
-    def begin_step(self, step: int) -> None:
-        """Step ``step`` starts: at the schedule's points the ranks agree and decide (a
-        collective on the side group: every rank calls this at the same step)."""
+    def begin_step(self, step: int, now: float | None = None) -> None:
+        """Step ``step``'s first slot is due (at ``now``, ``time.perf_counter()``, for steps):
+        at the schedule's points the ranks agree and decide (a collective on the side group:
+        every rank calls this at the same step)."""
         if self.start is None:
             self._restart(step, "first")
         elif self._stale:
             self._restart(step, "size")
+        with self._lock:
+            ended, self._lead_local = self._ended, math.inf
+            if self.steps and now is not None and ended is not None and ended[0] == step - 1:
+                self._lead_local = now - ended[1]
         if self._prune_due(step):
             self._prune(step)
         self._cut_before_turn(step)
@@ -343,7 +355,7 @@ class AutoEngine:
         with self._lock:
             self._previous = {s: (self.layout[s][0], c.candidate) for s, c in self.plan.items() if s in self.layout}
             self.start, self.layout, self._stale, self._contest = step, {}, False, None
-            self._warm_calls, self._warm_bound = 0.0, None
+            self._warm_calls, self._warm_bound, self._lead_local, self._lead = 0.0, None, math.inf, None
             self._schedule, self._cut = self._full_schedule(), set()
             for table in (self._trial, self._window, self._window_steps, self._costs, self._agreed_costs):
                 table.clear()
@@ -356,12 +368,17 @@ class AutoEngine:
         _, k, i = self.phase(step - 1)
         with self._lock:
             local = self._costs.get((k, i), MISSING)
-            warm = self._warm_calls
+            warm, lead = self._warm_calls, self._lead_local
         # The warm-up's bound travels along (negated: the least over the ranks, whose waits for
-        # the slowest rank to join a call are the shortest; none or a failed call: -inf).
-        cost, least = self.agreement.max([local, -warm if 0.0 < warm < math.inf else -math.inf])
+        # the slowest rank to join a call are the shortest; none or a failed call: -inf), and
+        # this step's lead (the slowest rank's; none: -1).
+        cost, least, lead = self.agreement.max(
+            [local, -warm if 0.0 < warm < math.inf else -math.inf, lead if math.isfinite(lead) else MISSING]
+        )
         self._agreed_costs[(k, i)] = cost
         self._warm_bound = -least if math.isfinite(least) else None
+        if lead >= 0.0:
+            self._lead = lead if self._lead is None else min(self._lead, lead)
         if not self.steps:  # calls: one is too noisy; the faster of the counted ones so far
             known = [c for c in (self._agreed_costs.get((k, n), MISSING) for n in range(1, i + 1)) if c >= 0.0]
             cost = min(known) if i >= CALLS_BEFORE_CUT and known else MISSING
@@ -384,13 +401,18 @@ class AutoEngine:
 
         * the median of its own counted steps so far, judged again now that others' counted
           steps exist (a candidate first in a reversed round had none to be judged against);
-        * the warm-up step's exact calls alone, scaled by the bytes it sends against exact's.
-          A step holds all its calls, so their summed service time (each transport's overlap
-          split among its calls) bounds any step by exact from below; a method that sends
-          fewer bytes of the same precision in no fewer rounds (float32 CERAR) costs at least
-          that share of it, each call's fixed cost at least exact's and each byte on the same
-          link. Exact's own step is no better measure at its first turn, as the first step
-          carries DDP's bucket rebuild and every first-time cost.
+        * the warm-up step's exact calls, scaled by the bytes it sends against exact's, plus
+          the lead. A step holds all its calls after its first slot is due on every rank, so
+          the time from a step's end to the next one's first slot (the optimizer, the forward
+          pass and backward up to its first bucket, with no communication running; the slowest
+          rank's, the least over the trial steps so far) plus the calls' summed service time
+          (each transport's overlap split among its calls) bounds any step by exact from below;
+          a method that sends fewer bytes of the same precision in no fewer rounds (float32
+          CERAR) costs at least that share of the calls, each call's fixed cost at least
+          exact's and each byte on the same link. Exact's own step is no better measure at its
+          first turn, as the first step carries DDP's bucket rebuild and every first-time cost;
+          the calls alone, without the lead, fall short of a step that is as much compute as
+          communication.
 
         Steps only (a call is judged by its counted calls); every rank judges the same agreed
         numbers."""
@@ -406,7 +428,7 @@ class AutoEngine:
                 # (Fewer rounds: its fixed cost may be below exact's, no bound. The 16-bit
                 # methods, which a slow link favours, are never cut by it: scaled down to their
                 # bytes from calls that may carry first-time costs, it could cut the fastest.)
-                bound = self._warm_bound * method.bytes_per_value / exact.bytes_per_value
+                bound = self._warm_bound * method.bytes_per_value / exact.bytes_per_value + (self._lead or 0.0)
             known = [t for t in (median, bound) if t is not None]
             if not known or max(known) <= (1.0 + self.config.prune_tol) * reference:
                 return
@@ -414,7 +436,8 @@ class AutoEngine:
             self._schedule = [(j, n) for j, n in self._schedule if j != k or n < i]
             self.history.append(
                 {"step": step, "event": "prune", "candidate": method.label, "trial_step": i, "step_s": None,
-                 "median_s": median, "warmup_calls_s": self._warm_bound, "bound_s": bound, "best_s": reference}
+                 "median_s": median, "warmup_calls_s": self._warm_bound, "lead_s": self._lead, "bound_s": bound,
+                 "best_s": reference}
             )  # fmt: skip
 
     def _reference(self, k: int, i: int) -> float | None:
