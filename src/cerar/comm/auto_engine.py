@@ -14,10 +14,10 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    coding competes with backward for the cores). A candidate's first step (the first round)
    warms it up and is not counted. A step is timed from the end of the step before to the
    end of its last slot (:meth:`AutoEngine.end_step`). After every trial step the ranks agree
-   its time (the slowest rank's); a candidate whose step took more than ``prune_tol`` longer than the fastest
-   other candidate's so far (the median of its counted steps; in the first round, its warm-up
-   step) is cut there (``"prune"``: its remaining trial steps are not run, and it is no choice of this
-   calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
+   its time (the slowest rank's); a candidate whose step took more than ``prune_tol`` longer
+   than the fastest other candidate's so far (the median of its counted steps; in the first
+   round, its warm-up step) is cut there (``"prune"``: its remaining trial steps are not run,
+   and it is no choice of this calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
    float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. Exact, which the
    warm-up ran, is cut at its turn without a step when the warm-up's exact calls (their
    service times summed, the least over the ranks) plus the least time any step spent before
@@ -26,9 +26,11 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    another's counted steps), and so is a CERAR candidate (fewer bytes in no fewer rounds, the
    same wire) when those calls scaled by its bytes, plus the lead, did (float32 CERAR on a
    slow link); at every turn a candidate's own counted steps so far are judged again against
-   the others' (one first in a reversed round had none to be judged against). A call's time
-   is far noisier than a step's (which sums many buckets): calls are judged by the fastest of
-   their counted calls, from the second one on (:data:`CALLS_BEFORE_CUT`);
+   the others' (one first in a reversed round had none to be judged against). After the first
+   round a candidate is judged by the fastest of its counted steps (or calls), from the second
+   one on (:data:`COUNTED_BEFORE_CUT`): a call's time is far noisier than a step's, and a
+   candidate's first counted step can still carry warm-up costs when other transports' steps
+   ran between its first two;
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
    elementwise maximum (the slowest rank's) on a side group, fit the cost model
    (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
@@ -88,9 +90,11 @@ from cerar.comm.auto_pins import PinnedTable
 __all__ = ["AutoConfig", "AutoEngine", "SideGroup", "new_side_group"]
 
 MISSING = -1.0
-#: Counted calls (the collective's trials) before a cut: a candidate is cut when the faster of
-#: them is ``prune_tol`` slower, so that one slow call alone never cuts a close competitor.
-CALLS_BEFORE_CUT = 2
+#: Counted trial steps (or the collective's calls) before a cut by them: a candidate is cut when
+#: the fastest of them is ``prune_tol`` slower, so that one slow step or call never cuts a close
+#: competitor (a first counted step may still carry warm-up costs: a first-round step warms a
+#: method up, but the steps of another transport between its first two can undo part of that).
+COUNTED_BEFORE_CUT = 2
 
 
 @dataclass(frozen=True)
@@ -379,9 +383,8 @@ class AutoEngine:
         self._warm_bound = -least if math.isfinite(least) else None
         if lead >= 0.0:
             self._lead = lead if self._lead is None else min(self._lead, lead)
-        if not self.steps:  # calls: one is too noisy; the faster of the counted ones so far
-            known = [c for c in (self._agreed_costs.get((k, n), MISSING) for n in range(1, i + 1)) if c >= 0.0]
-            cost = min(known) if i >= CALLS_BEFORE_CUT and known else MISSING
+        if i >= 1 or not self.steps:  # counted: one is too noisy; the fastest of them so far
+            cost = _fastest([self._agreed_costs.get((k, n), MISSING) for n in range(1, i + 1)])
         if i == self.config.trials - 1 or cost < 0.0:
             return  # its trial ends anyway, or nothing (enough) was measured
         reference = self._reference(k, i)
@@ -399,8 +402,9 @@ class AutoEngine:
         known of it already took ``prune_tol`` longer than the fastest other candidate's steps
         so far (:meth:`_reference`: in the first round, the warm-up steps before it):
 
-        * the median of its own counted steps so far, judged again now that others' counted
-          steps exist (a candidate first in a reversed round had none to be judged against);
+        * the fastest of its own counted steps so far (from the second,
+          :data:`COUNTED_BEFORE_CUT`), judged again now that others' counted steps exist (a
+          candidate first in a reversed round had none to be judged against);
         * the warm-up step's exact calls, scaled by the bytes it sends against exact's, plus
           the lead. A step holds all its calls after its first slot is due on every rank, so
           the time from a step's end to the next one's first slot (the optimizer, the forward
@@ -421,7 +425,8 @@ class AutoEngine:
             reference = self._reference(k, i) if kind == "trial" else None
             if reference is None:
                 return
-            median = _median([self._agreed_costs.get((k, n), MISSING) for n in range(1, i)], None)
+            fastest = _fastest([self._agreed_costs.get((k, n), MISSING) for n in range(1, i)])
+            own = None if fastest < 0.0 else fastest
             exact, method = self.candidates[0], self.candidates[k]
             bound = None
             if self._warm_bound is not None and method.rounds >= exact.rounds and method.wire == exact.wire:
@@ -429,14 +434,14 @@ class AutoEngine:
                 # methods, which a slow link favours, are never cut by it: scaled down to their
                 # bytes from calls that may carry first-time costs, it could cut the fastest.)
                 bound = self._warm_bound * method.bytes_per_value / exact.bytes_per_value + (self._lead or 0.0)
-            known = [t for t in (median, bound) if t is not None]
+            known = [t for t in (own, bound) if t is not None]
             if not known or max(known) <= (1.0 + self.config.prune_tol) * reference:
                 return
             self._cut.add(k)
             self._schedule = [(j, n) for j, n in self._schedule if j != k or n < i]
             self.history.append(
                 {"step": step, "event": "prune", "candidate": method.label, "trial_step": i, "step_s": None,
-                 "median_s": median, "warmup_calls_s": self._warm_bound, "lead_s": self._lead, "bound_s": bound,
+                 "own_s": own, "warmup_calls_s": self._warm_bound, "lead_s": self._lead, "bound_s": bound,
                  "best_s": reference}
             )  # fmt: skip
 
@@ -712,6 +717,13 @@ def _median(values: Sequence[float], unknown: float | None) -> Any:
     if not known:
         return unknown
     return math.inf if any(math.isinf(v) for v in known) else float(statistics.median(known))
+
+
+def _fastest(counted: Sequence[float]) -> float:
+    """The fastest of the known counted times (missing ones are -1) once there are
+    :data:`COUNTED_BEFORE_CUT` of them, else -1 (``MISSING``: not enough to cut by)."""
+    known = [c for c in counted if c >= 0.0]
+    return min(known) if len(known) >= COUNTED_BEFORE_CUT else MISSING
 
 
 def _finite(value: float | None) -> float | None:
