@@ -17,8 +17,9 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    its time (the slowest rank's); a candidate whose step took more than ``prune_tol`` longer
    than the fastest other candidate's so far (the median of its counted steps; in the first
    round, its warm-up step) is cut there (``"prune"``: its remaining trial steps are not run,
-   and it is no choice of this calibration unless it is a baseline), so that a hopeless method (exact on a slow link,
-   float32 CERAR beside 16-bit CERAR) costs one or two steps, not ``trials``. Exact, which the
+   and it is no choice of this calibration unless it is a baseline), so that a hopeless
+   method (exact on a slow link, float32 CERAR beside 16-bit CERAR) costs one or two steps,
+   not ``trials``. Exact, which the
    warm-up ran, is cut at its turn without a step when the warm-up's exact calls (their
    service times summed, the least over the ranks) plus the least time any step spent before
    its first slot (the lead: together a lower bound on any step by exact) took ``prune_tol``
@@ -110,7 +111,8 @@ class AutoConfig:
             step cuts the candidate's trial short (``None``: every candidate runs ``trials``).
         margin: CERAR must be predicted this fraction faster than the best exact/16-bit ring.
         hysteresis: at a re-decision, a slot changes method only for this fraction of gain.
-        verify_tol: a CERAR slot measured this fraction slower than predicted goes back.
+        verify_tol: a CERAR slot measured this fraction slower than predicted goes back (steps:
+            a window whose median step is this fraction slower than the plan's trial estimate).
         step_tol: the plan's steps (and a CERAR slot against its baseline) may be this much slower.
         verify_every: steps per verification window.
         redecide_every: steps of a plan before the next calibration (``None``: never on a schedule).
