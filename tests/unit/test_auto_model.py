@@ -133,10 +133,12 @@ def drive_plans(
     slots: dict[int, int] = SLOTS,
     lead: float = 0.0,
     clock: bool = True,
+    ran: dict[int, dict[int, str]] | None = None,
 ) -> dict[int, dict]:
     """Like :func:`drive`, with the calls timed by ``call_time`` and the step by ``lead`` (the
     compute before its first slot) plus the sum of ``step_cost`` (which may differ from the
-    calls: what a method costs the step beyond them); returns the plan at each step's start.
+    calls: what a method costs the step beyond them); returns the plan at each step's start
+    and fills ``ran`` with the method each slot ran at each step.
     ``clock=False``: the step's start is not given to the engine (it cannot time the lead)."""
     now, plans = 0.0, {}
     for step in steps:
@@ -146,6 +148,8 @@ def drive_plans(
         for slot, numel in slots.items():
             choice = engine.choose(step, slot, numel, 4 * numel)
             candidate = engine.candidates[choice.candidate]
+            if ran is not None:
+                ran.setdefault(step, {})[slot] = candidate.name
             engine.measured(step, slot, choice.candidate, call_time(step, candidate, numel))
             now += step_cost(step, candidate, numel)
         engine.end_step(step, now)
@@ -236,9 +240,10 @@ def test_engine_verifies_steps_by_the_window_step_not_the_calls(slow: str) -> No
 @pytest.mark.parametrize("cerar_slows", [True, False])
 def test_engine_contests_a_mixed_plan_with_the_fastest_single_method(cerar_slows: bool) -> None:
     """The plan mixes the float16 ring (small bucket) and 16-bit CERAR (large one), a plan the
-    trials never ran whole: the fastest single method (16-bit CERAR) runs the second window
-    and the faster window's plan stays. If CERAR turned 3x slower after the decision, the mixed
-    plan comes back, and the next window's verification sends the large bucket to the ring."""
+    trials never ran whole: it duels the fastest single method (16-bit CERAR) over the next two
+    windows, their halves alternating (mixed, CERAR | CERAR, mixed), and the one with the
+    faster median step stays. If CERAR turned 3x slower after the decision, the mixed plan
+    stays, and the next window's verification sends the large bucket to the ring."""
     engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
     every = CONFIG.verify_every
 
@@ -246,13 +251,16 @@ def test_engine_contests_a_mixed_plan_with_the_fastest_single_method(cerar_slows
         return true_time(c, v) * (3.0 if cerar_slows and step >= DECIDED and c.components else 1.0)
 
     def step_cost(step: int, c: Candidate, v: int) -> float:  # the mixed plan's steps cost more
-        mixed = step >= DECIDED and plan_of(engine) == mixed_plan
+        mixed = step >= DECIDED and c is FP16  # the ring runs only in the mixed plan by then
         return timing(step, c, v) + (0.5 if mixed and not cerar_slows else 0.0)
 
     mixed_plan = {0: ("fp16", "fastest"), 1: ("cerar-fp16", "fastest")}
-    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), timing, step_cost)
+    ran: dict[int, dict[int, str]] = {}
+    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), timing, step_cost, ran=ran)
+    mixed, cerar = {0: "fp16", 1: "cerar-fp16"}, {0: "cerar-fp16", 1: "cerar-fp16"}
+    assert [ran[DECIDED + i] for i in range(2 * every)] == [mixed, cerar, cerar, mixed]
     cerar16 = {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "step")}
-    assert plans[DECIDED] == mixed_plan and plans[DECIDED + every] == cerar16
+    assert plans[DECIDED] == plans[DECIDED + every] == mixed_plan  # the duel decides after two windows
     if cerar_slows:
         assert plans[DECIDED + 2 * every] == mixed_plan
         assert plans[DECIDED + 3 * every] == {0: ("fp16", "fastest"), 1: ("fp16", "verify")}
@@ -339,9 +347,9 @@ def test_engine_contests_a_plan_with_the_fastest_trial_steps(challenger_holds: b
     # taking the cores backward needs, say, which no call time shows). 16-bit CERAR challenges
     # the plan; here CERAR's steps either stay fast (it holds) or turn out slow once it runs
     # (trial noise: the plan returns). When one of CERAR's two counted trial steps was slow too
-    # (not ``clear``), the plan runs one window, CERAR the next, and the faster window's plan
-    # stays; when both were fast by far (``clear``), CERAR runs first and stays if its window
-    # beats the ring's trial steps.
+    # (not ``clear``), the plan and CERAR duel over two windows, their halves alternating, and
+    # the one with the faster median step stays; when both were fast by far (``clear``), CERAR
+    # runs first and stays if its window beats the ring's trial steps.
     engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
     every = CONFIG.verify_every
     first_counted = 1 + 4 + 3  # 16-bit CERAR's step in the second (reversed) round
@@ -357,7 +365,8 @@ def test_engine_contests_a_plan_with_the_fastest_trial_steps(challenger_holds: b
             extra = 2.0
         return call_time(c, v) + extra
 
-    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), lambda step, c, v: call_time(c, v), step_cost)
+    ran: dict[int, dict[int, str]] = {}
+    plans = drive_plans(engine, range(DECIDED + 3 * every + 1), lambda step, c, v: call_time(c, v), step_cost, ran=ran)
     assert engine.phase(first_counted) == ("trial", 3, 1)
     ring = {0: ("fp16", "fastest"), 1: ("fp16", "fastest")}
     cerar16 = {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "step")}
@@ -365,9 +374,42 @@ def test_engine_contests_a_plan_with_the_fastest_trial_steps(challenger_holds: b
         assert plans[DECIDED] == cerar16
         assert plans[DECIDED + every] == (cerar16 if challenger_holds else ring)
     else:
-        assert plans[DECIDED] == ring and plans[DECIDED + every] == cerar16
+        assert plans[DECIDED] == plans[DECIDED + every] == ring
+        assert [ran[DECIDED + i][0] for i in range(2 * every)] == ["fp16", "cerar-fp16", "cerar-fp16", "fp16"]
         assert plans[DECIDED + 2 * every] == (cerar16 if challenger_holds else ring)
     assert plans[DECIDED + 3 * every] == plans[DECIDED + 2 * every]  # settled: no second contest
+
+
+def test_a_duel_is_not_decided_by_a_drift_of_the_machine() -> None:
+    """The ring's calls win (the plan), 16-bit CERAR's trial steps were 5% faster but not
+    clearly (one of its counted steps was slow), so the two duel. After the decision every step
+    gets 2% slower than the one before (the machine's pace drifting: load, a slow phase), and
+    CERAR's steps are truly 3% faster: taken in turns, a window of the plan then one of CERAR,
+    CERAR's later window would lose by the drift; the duel's alternating halves cancel it."""
+    config = AutoConfig(warmup=1, trials=3, verify_every=10, redecide_every=None, prune_tol=None)
+    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+    decided, every = config.calibration_steps(len(CANDIDATES)), config.verify_every
+    first_counted = 1 + 4 + 3  # 16-bit CERAR's step in the second (reversed) round
+
+    def call_time(step: int, c: Candidate, v: int) -> float:
+        return true_time(FP16, v) * (2.0 if c is CERAR16 else 1.0 if c is FP16 else 3.0)
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:  # per slot, two slots a step
+        if step >= decided:
+            return (0.97 if c is CERAR16 else 1.0) * (1.0 + 0.02 * (step - decided))
+        if c is CERAR16:
+            return 0.99 if step == first_counted else 0.9
+        return 1.0 if c is FP16 else 2.0
+
+    ran: dict[int, dict[int, str]] = {}
+    plans = drive_plans(engine, range(decided + 2 * every + 1), call_time, step_cost, LARGE, ran=ran)
+    assert plans[decided] == {0: ("fp16", "fastest"), 1: ("fp16", "fastest")}
+    half = every // 2
+    turns = ["fp16"] * half + ["cerar-fp16"] * every + ["fp16"] * half
+    assert [ran[decided + i][0] for i in range(2 * every)] == turns
+    assert plans[decided + 2 * every] == {0: ("cerar-fp16", "step"), 1: ("cerar-fp16", "step")}
+    duel = engine.history[-1]["duel"]
+    assert duel["challenger_kept"] and duel["challenger_s"] < duel["plan_s"]
 
 
 def test_engine_hands_a_mixed_plan_to_the_fastest_single_method_when_its_estimate_loses() -> None:

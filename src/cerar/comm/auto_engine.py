@@ -51,9 +51,12 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    calls; the plan's trial steps); otherwise the slots it changed come back as ``"step"``,
    not verified again.
    If one method's trial steps were faster than the plan's methods' by ``margin``, or the
-   plan mixes methods (a plan no trial step ran whole), the fastest single method runs the
-   second window everywhere (``"step"``) and the faster of the two windows' median steps is
-   kept (two trial steps are too noisy to decide alone, ten steps of each are not); a mixed
+   plan mixes methods (a plan no trial step ran whole), the plan and the fastest single method
+   (everywhere, ``"step"``) duel over the next two windows, their halves alternating (plan,
+   method | method, plan), and the one whose steps have the smaller median is kept (two trial
+   steps are too noisy to decide alone, eight steps of each are not; alternating, a drift of
+   the machine's pace moves both alike, where a window of each in turn would judge the later
+   window's pace against the earlier's); a mixed
    plan whose estimate (its methods' trial steps weighted by the bytes each runs) is
    ``margin`` slower than that method's trial steps becomes that method at once, without a
    window. When the plan is one method and the trials leave no doubt (every counted step of
@@ -194,7 +197,7 @@ class AutoEngine:
     """
 
     __slots__ = (
-        "_agreed_costs", "_contest", "_costs", "_cut", "_ended", "_lead", "_lead_local", "_lock", "_order",
+        "_agreed_costs", "_contest", "_costs", "_cut", "_duel", "_ended", "_lead", "_lead_local", "_lock", "_order",
         "_previous", "_schedule", "_slot_times", "_stale", "_steps_checked", "_trial", "_trial_steps", "_uniform",
         "_warm_bound", "_warm_calls", "_window", "_window_steps", "agreement", "candidates", "config", "history",
         "layout", "model", "plan", "start", "steps",
@@ -241,11 +244,14 @@ class AutoEngine:
         self._lead_local = math.inf
         self._lead: float | None = None
         self._uniform: list[float] = []  # their medians
-        # The window contest of a plan against the method of the fastest trial steps: (the
-        # challenger, None) before the plan's window ends, then (the plan, its median step).
-        # A verification's change in steps is a contest too, with no challenger: (None, (the
-        # plan before it, its median step)).
-        self._contest: tuple[int | None, tuple[dict[int, Choice], float] | None] | None = None
+        # The window contest of a changed plan against the plan it replaced: a clearly faster
+        # challenger's (the challenger, (the plan, its trial steps' median)); a verification's
+        # change in steps, with no challenger: (None, (the plan before it, its window's median)).
+        self._contest: tuple[int | None, tuple[dict[int, Choice], float]] | None = None
+        # A duel of the plan against the method of the fastest trial steps, in two windows
+        # whose halves alternate (:meth:`_duel_choice`): the challenger's plan, the duel's first
+        # window, and that window's agreed steps once it ended.
+        self._duel: tuple[dict[int, Choice], int, list[float] | None] | None = None
 
     # ---------------------------------------------------------------------------------------
     def phase(self, step: int) -> tuple[str, int, int]:
@@ -332,7 +338,7 @@ class AutoEngine:
             self._stale = True
             return Choice(0, "size")
         if kind == "run":
-            return self.plan[slot]
+            return self._duel_choice(index, offset, slot) or self.plan[slot]
         allowed, _ = self.config.pinned.allowed(self.candidates, nbytes)
         return Choice(index, "trial") if index in allowed else Choice(allowed[0], "pinned")
 
@@ -360,7 +366,7 @@ class AutoEngine:
     def _restart(self, step: int, reason: str) -> None:
         with self._lock:
             self._previous = {s: (self.layout[s][0], c.candidate) for s, c in self.plan.items() if s in self.layout}
-            self.start, self.layout, self._stale, self._contest = step, {}, False, None
+            self.start, self.layout, self._stale, self._contest, self._duel = step, {}, False, None, None
             self._warm_calls, self._warm_bound, self._lead_local, self._lead = 0.0, None, math.inf, None
             self._schedule, self._cut = self._full_schedule(), set()
             for table in (self._trial, self._window, self._window_steps, self._costs, self._agreed_costs):
@@ -492,22 +498,63 @@ class AutoEngine:
                 plan[s] = self._choice(s, candidate, "agreed", plan[s].baseline)
         self.plan, self._steps_checked = plan, False
         challenger = self._challenger(slots) if self.steps else None
-        self._contest = None if challenger is None else (challenger, None)
         methods = {choice.candidate for choice in plan.values()}
+        if challenger is not None:
+            # The plan against the challenger in the next two windows, their halves alternating.
+            steps_of = {s: self._choice(s, challenger, "step", plan[s].baseline) for s in slots}
+            self._contest, self._duel = None, (steps_of, 0, None)
         if challenger is not None and len(methods) == 1 and self._clearly_faster(challenger, *methods):
             # The plan is one method, whose whole steps the trials timed: the challenger runs
             # the first window and stays if its steps beat that method's trial steps.
             (method,) = methods
-            self._contest = (challenger, (dict(plan), self._uniform[method]))
+            self._contest, self._duel = (challenger, (dict(plan), self._uniform[method])), None
             self._everywhere(challenger, slots)
         elif challenger is not None and len(methods) > 1:
             estimate = self._mixed_estimate(slots)
             if estimate is not None and self._uniform[challenger] < (1.0 - self.config.margin) * estimate:
                 # Even the mixed plan's estimate from its methods' trial steps loses by the
                 # margin: the challenger takes every slot without a window of the plan.
-                self._contest, self._steps_checked = None, True
+                self._contest, self._duel, self._steps_checked = None, None, True
                 self._everywhere(challenger, slots)
         self._record(step, "decide")
+
+    def _duel_choice(self, window: int, offset: int, slot: int) -> Choice | None:
+        """The challenger's choice for ``slot`` where a duel runs it, else None (the plan's).
+
+        A duel takes two windows: the plan runs the first half of the first and the second
+        half of the second, the challenger the middle (P C | C P, each half ``verify_every //
+        2`` steps). Each method's steps then sit symmetrically about the middle, so that a drift
+        of the machine's pace moves both medians alike; one window of each in turn pits the
+        later window's pace against the earlier's (here, steps that computed a quarter slower
+        for ten steps were once the whole difference between two methods)."""
+        if self._duel is None or window - self._duel[1] not in (0, 1):
+            return None
+        half = max(1, self.config.verify_every // 2)
+        return self._duel[0][slot] if (offset >= half) == (window == self._duel[1]) else None
+
+    def _run_duel(self, window: int, steps: list[float]) -> dict[str, Any]:
+        """The duel's window ``window`` ended with the agreed ``steps`` (by offset): after the
+        second, the challenger takes the plan if the median of its steps is below the plan's
+        (the plan stays on a tie). The first step of each half is left out where a half has
+        more: it may carry the switch's costs (a transport's first call after another's)."""
+        assert self._duel is not None
+        challenger, first, earlier = self._duel
+        if window == first:
+            self._duel = (challenger, first, steps)
+            return {}
+        assert earlier is not None
+        half = max(1, self.config.verify_every // 2)
+
+        def settled(block: list[float]) -> list[float]:
+            return block[1:] if len(block) > 1 else block
+
+        plan_s = _median(settled(earlier[:half]) + settled(steps[half:]), None)
+        challenger_s = _median(settled(earlier[half:]) + settled(steps[:half]), None)
+        kept = plan_s is not None and challenger_s is not None and challenger_s < plan_s
+        if kept:
+            self.plan = dict(challenger)
+        self._duel, self._steps_checked = None, True
+        return {"duel": {"plan_s": _finite(plan_s), "challenger_s": _finite(challenger_s), "challenger_kept": kept}}
 
     def _everywhere(self, method: int, slots: list[int]) -> None:
         """Every slot by ``method`` (reason ``"step"``), each keeping its baseline."""
@@ -607,7 +654,9 @@ class AutoEngine:
         # Steps: the window's step against the plan's estimate from its trial steps.
         estimate = self._mixed_estimate(slots) if self.steps and plan_step is not None else None
         slow_step = estimate is not None and plan_step is not None and plan_step > estimate * (1 + config.verify_tol)
-        for s in slots if self._contest is None else ():  # a contest's windows are judged by their steps
+        duel = {} if self._duel is None else self._run_duel(window, agreed[len(keys) :])
+        # A contest's windows, and a duel's, are judged by their steps.
+        for s in slots if self._contest is None and self._duel is None and not duel else ():
             choice, measured = self.plan[s], window_s[s]
             if self.candidates[choice.candidate].baseline or choice.reason in ("pinned", "step"):
                 continue  # nothing to go back to, or judged by the steps
@@ -620,8 +669,10 @@ class AutoEngine:
                 slow = slow or measured > self._slot_times.get((choice.baseline, s), math.inf) * (1 + config.step_tol)
             if slow:
                 self.plan[s] = self._choice(s, choice.baseline, "verify", choice.baseline)
-        if self._contest is not None:
-            self._run_contest(slots, plan_step, unchanged=self.plan == before)
+        if duel or self._duel is not None:
+            pass  # a duel's windows mix two methods: they judge the duel alone
+        elif self._contest is not None:
+            self._run_contest(slots, plan_step)
         elif self.plan != before and plan_step is not None:
             # The verification compared this window with figures timed earlier (the baseline's
             # trial calls, among other calls; the plan's trial steps). So the plan it made runs
@@ -632,23 +683,20 @@ class AutoEngine:
         elif self.steps and not self._steps_checked and self.plan == before and plan_step is not None:
             self._steps_checked = True
             self._check_steps(slots, plan_step)
-        self._record(step, "verify", window_s={s: _finite(t) for s, t in window_s.items()}, window_step_s=plan_step)
+        self._record(
+            step, "verify", window_s={s: _finite(t) for s, t in window_s.items()}, window_step_s=plan_step, **duel
+        )
 
-    def _run_contest(self, slots: list[int], plan_step: float | None, unchanged: bool) -> None:
-        """The plan's window has ended: the challenger runs the next one; the challenger's has
-        ended: the faster window's plan stays (the plan on a tie; a verification's change only
-        if ``margin`` faster). A verification's contest
-        (challenger ``None``) holds the plan before the verification and its window's step
-        from the start; a challenger that runs first holds the plan and its trial steps'
-        median. The same on every rank: the window medians are agreed."""
+    def _run_contest(self, slots: list[int], plan_step: float | None) -> None:
+        """The window of a changed plan has ended: the faster plan stays (a verification's
+        change only if ``margin`` faster). A verification's contest (challenger ``None``) holds
+        the plan before the verification and its window's step; a clearly faster challenger,
+        which ran first, holds the plan and its trial steps' median. The same on every rank:
+        the window medians are agreed."""
         assert self._contest is not None
         challenger, held = self._contest
-        if plan_step is None or (held is None and not unchanged):
-            self._contest = None  # nothing measured, or the plan changed: no contest
-        elif held is None:
-            assert challenger is not None  # a verification's contest holds its plan from the start
-            self._contest = (challenger, (dict(self.plan), plan_step))
-            self._everywhere(challenger, slots)
+        if plan_step is None or held is None:
+            self._contest = None  # nothing measured: no contest
         else:
             plan, held_step = held
             # A challenger had trial steps `margin` faster than the plan; a verification's change
