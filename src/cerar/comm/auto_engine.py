@@ -50,15 +50,20 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    median), since what it went by was timed earlier (the baseline's trial calls, among other
    calls; the plan's trial steps); otherwise the slots it changed come back as ``"step"``,
    not verified again.
-   If one method's trial steps were faster than the plan's methods' by ``margin``, or the
-   plan mixes methods (a plan no trial step ran whole), the plan and the fastest single method
+   If the plan has CERAR in it and its estimate from its methods' trial steps is not
+   ``margin`` below the fastest exact or 16-bit ring's trial steps, that ring challenges it
+   (CERAR must beat the rings by the margin in steps, the measure that judges; a call's time
+   misses what the coding takes from backward); otherwise, if one method's trial steps were
+   faster than the plan's methods' by ``margin``, or the plan mixes methods (a plan no trial
+   step ran whole), that fastest single method does. The plan and the challenger
    (everywhere, ``"step"``) duel over the next two windows, their halves alternating (plan,
-   method | method, plan), and the one whose steps have the smaller median is kept (two trial
+   challenger | challenger, plan), and the one whose steps have the smaller median is kept, CERAR
+   against a ring only by the margin (two trial
    steps are too noisy to decide alone, eight steps of each are not; alternating, a drift of
    the machine's pace moves both alike, where a window of each in turn would judge the later
    window's pace against the earlier's); a mixed
    plan whose estimate (its methods' trial steps weighted by the bytes each runs) is
-   ``margin`` slower than that method's trial steps becomes that method at once, without a
+   ``margin`` slower than the challenger's trial steps becomes the challenger at once, without a
    window. When the plan is one method and the trials leave no doubt (every counted step of
    the other method faster than every one of the plan's by ``margin``, the gap at least twice
    either's spread), the order turns: the other method runs the first window and stays if its
@@ -497,7 +502,10 @@ class AutoEngine:
             if candidate != plan[s].candidate:
                 plan[s] = self._choice(s, candidate, "agreed", plan[s].baseline)
         self.plan, self._steps_checked = plan, False
-        challenger = self._challenger(slots) if self.steps else None
+        challenger = None
+        if self.steps:
+            challenger = self._baseline_challenger(slots)
+            challenger = self._challenger(slots) if challenger is None else challenger
         methods = {choice.candidate for choice in plan.values()}
         if challenger is not None:
             # The plan against the challenger in the next two windows, their halves alternating.
@@ -517,6 +525,26 @@ class AutoEngine:
                 self._contest, self._duel, self._steps_checked = None, None, True
                 self._everywhere(challenger, slots)
         self._record(step, "decide")
+
+    def _baseline_challenger(self, slots: list[int]) -> int | None:
+        """The fastest exact or 16-bit ring by the trial steps if the plan has CERAR in it and
+        its estimate from the trial steps is not ``margin`` below that ring's, else None: CERAR
+        must beat the rings by the margin in what the decision is judged by, and a call's time
+        misses what its coding takes from backward (on a fast link the calls' model may choose
+        CERAR whose trial steps were no faster than the rings'). In the duel that follows,
+        CERAR must beat the ring's median step by the margin too."""
+        if all(self.candidates[self.plan[s].candidate].baseline for s in slots):
+            return None
+        usable = set(range(len(self._uniform))) - self.pruned
+        for s in slots:
+            allowed, pinned = self.config.pinned.allowed(self.candidates, self.layout[s][1])
+            usable &= set() if pinned else set(allowed)
+        rings = [k for k in usable if self.candidates[k].baseline and math.isfinite(self._uniform[k])]
+        estimate = self._mixed_estimate(slots)
+        if not rings or estimate is None:
+            return None
+        best = min(rings, key=lambda k: (self._uniform[k], k))
+        return None if estimate < (1.0 - self.config.margin) * self._uniform[best] else best
 
     def _duel_choice(self, window: int, offset: int, slot: int) -> Choice | None:
         """The challenger's choice for ``slot`` where a duel runs it, else None (the plan's).
@@ -551,6 +579,13 @@ class AutoEngine:
         plan_s = _median(settled(earlier[:half]) + settled(steps[half:]), None)
         challenger_s = _median(settled(earlier[half:]) + settled(steps[:half]), None)
         kept = plan_s is not None and challenger_s is not None and challenger_s < plan_s
+        coded = [
+            any(self.candidates[c.candidate].algorithm == "cerar" for c in p.values()) for p in (self.plan, challenger)
+        ]
+        if kept and coded == [False, True]:  # CERAR must beat the rings by the margin
+            kept = challenger_s < (1.0 - self.config.margin) * plan_s
+        elif not kept and coded == [True, False] and plan_s is not None and challenger_s is not None:
+            kept = plan_s >= (1.0 - self.config.margin) * challenger_s
         if kept:
             self.plan = dict(challenger)
         self._duel, self._steps_checked = None, True
