@@ -253,9 +253,10 @@ class AutoEngine:
         # challenger's (the challenger, (the plan, its trial steps' median)); a verification's
         # change in steps, with no challenger: (None, (the plan before it, its window's median)).
         self._contest: tuple[int | None, tuple[dict[int, Choice], float]] | None = None
-        # A duel of the plan against the method of the fastest trial steps, in two windows
-        # whose halves alternate (:meth:`_duel_choice`): the challenger's plan, the duel's first
-        # window, and that window's agreed steps once it ended.
+        # A duel of the plan against its challenger (the fastest ring, or the method of the
+        # fastest trial steps: :meth:`_decide`), in two windows whose halves alternate
+        # (:meth:`_duel_choice`): the challenger's plan, the duel's first window, and that
+        # window's agreed steps once it ended.
         self._duel: tuple[dict[int, Choice], int, list[float] | None] | None = None
 
     # ---------------------------------------------------------------------------------------
@@ -563,8 +564,9 @@ class AutoEngine:
     def _run_duel(self, window: int, steps: list[float]) -> dict[str, Any]:
         """The duel's window ``window`` ended with the agreed ``steps`` (by offset): after the
         second, the challenger takes the plan if the median of its steps is below the plan's
-        (the plan stays on a tie). The first step of each half is left out where a half has
-        more: it may carry the switch's costs (a transport's first call after another's)."""
+        (the plan stays on a tie), except that a side with CERAR against one of rings alone
+        wins only if ``margin`` faster. The first step of each half is left out where a half
+        has more: it may carry the switch's costs (a transport's first call after another's)."""
         assert self._duel is not None
         challenger, first, earlier = self._duel
         if window == first:
