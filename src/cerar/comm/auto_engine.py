@@ -254,10 +254,10 @@ class AutoEngine:
         # change in steps, with no challenger: (None, (the plan before it, its window's median)).
         self._contest: tuple[int | None, tuple[dict[int, Choice], float]] | None = None
         # A duel of the plan against its challenger (the fastest ring, or the method of the
-        # fastest trial steps: :meth:`_decide`), in two windows whose halves alternate
-        # (:meth:`_duel_choice`): the challenger's plan, the duel's first window, and that
+        # fastest trial steps: :meth:`_decide`) in the two windows after the decision, their
+        # halves alternating (:meth:`_duel_choice`): the challenger's plan, and the first
         # window's agreed steps once it ended.
-        self._duel: tuple[dict[int, Choice], int, list[float] | None] | None = None
+        self._duel: tuple[dict[int, Choice], list[float] | None] | None = None
 
     # ---------------------------------------------------------------------------------------
     def phase(self, step: int) -> tuple[str, int, int]:
@@ -511,7 +511,7 @@ class AutoEngine:
         if challenger is not None:
             # The plan against the challenger in the next two windows, their halves alternating.
             steps_of = {s: self._choice(s, challenger, "step", plan[s].baseline) for s in slots}
-            self._contest, self._duel = None, (steps_of, 0, None)
+            self._contest, self._duel = None, (steps_of, None)
         if challenger is not None and len(methods) == 1 and self._clearly_faster(challenger, *methods):
             # The plan is one method, whose whole steps the trials timed: the challenger runs
             # the first window and stays if its steps beat that method's trial steps.
@@ -534,18 +534,17 @@ class AutoEngine:
         misses what its coding takes from backward (on a fast link the calls' model may choose
         CERAR whose trial steps were no faster than the rings'). In the duel that follows,
         CERAR must beat the ring's median step by the margin too."""
-        if all(self.candidates[self.plan[s].candidate].baseline for s in slots):
+        if not self._has_cerar(self.plan):
             return None
-        usable = set(range(len(self._uniform))) - self.pruned
-        for s in slots:
-            allowed, pinned = self.config.pinned.allowed(self.candidates, self.layout[s][1])
-            usable &= set() if pinned else set(allowed)
-        rings = [k for k in usable if self.candidates[k].baseline and math.isfinite(self._uniform[k])]
+        rings = [k for k in self._usable(slots) if self.candidates[k].baseline and math.isfinite(self._uniform[k])]
         estimate = self._mixed_estimate(slots)
         if not rings or estimate is None:
             return None
         best = min(rings, key=lambda k: (self._uniform[k], k))
         return None if estimate < (1.0 - self.config.margin) * self._uniform[best] else best
+
+    def _has_cerar(self, plan: dict[int, Choice]) -> bool:
+        return not all(self.candidates[c.candidate].baseline for c in plan.values())
 
     def _duel_choice(self, window: int, offset: int, slot: int) -> Choice | None:
         """The challenger's choice for ``slot`` where a duel runs it, else None (the plan's).
@@ -556,10 +555,10 @@ class AutoEngine:
         of the machine's pace moves both medians alike; one window of each in turn pits the
         later window's pace against the earlier's (here, steps that computed a quarter slower
         for ten steps were once the whole difference between two methods)."""
-        if self._duel is None or window - self._duel[1] not in (0, 1):
+        if self._duel is None or window not in (0, 1):
             return None
         half = max(1, self.config.verify_every // 2)
-        return self._duel[0][slot] if (offset >= half) == (window == self._duel[1]) else None
+        return self._duel[0][slot] if (offset >= half) == (window == 0) else None
 
     def _run_duel(self, window: int, steps: list[float]) -> dict[str, Any]:
         """The duel's window ``window`` ended with the agreed ``steps`` (by offset): after the
@@ -568,9 +567,9 @@ class AutoEngine:
         wins only if ``margin`` faster. The first step of each half is left out where a half
         has more: it may carry the switch's costs (a transport's first call after another's)."""
         assert self._duel is not None
-        challenger, first, earlier = self._duel
-        if window == first:
-            self._duel = (challenger, first, steps)
+        challenger, earlier = self._duel
+        if window == 0:
+            self._duel = (challenger, steps)
             return {}
         assert earlier is not None
         half = max(1, self.config.verify_every // 2)
@@ -581,9 +580,7 @@ class AutoEngine:
         plan_s = _median(settled(earlier[:half]) + settled(steps[half:]), None)
         challenger_s = _median(settled(earlier[half:]) + settled(steps[:half]), None)
         kept = plan_s is not None and challenger_s is not None and challenger_s < plan_s
-        coded = [
-            any(self.candidates[c.candidate].algorithm == "cerar" for c in p.values()) for p in (self.plan, challenger)
-        ]
+        coded = [self._has_cerar(self.plan), self._has_cerar(challenger)]
         if kept and coded == [False, True]:  # CERAR must beat the rings by the margin
             kept = challenger_s < (1.0 - self.config.margin) * plan_s
         elif not kept and coded == [True, False] and plan_s is not None and challenger_s is not None:
@@ -620,17 +617,22 @@ class AutoEngine:
         gap, spread = min(slow) - max(fast), max(max(fast) - min(fast), max(slow) - min(slow))
         return max(fast) < (1.0 - self.config.margin) * min(slow) and gap >= 2.0 * spread
 
+    def _usable(self, slots: list[int]) -> set[int]:
+        """The candidates every one of ``slots`` may run (budget and pins; none where a slot is
+        pinned) that this calibration did not cut."""
+        usable = set(range(len(self._uniform))) - self.pruned
+        for s in slots:
+            allowed, pinned = self.config.pinned.allowed(self.candidates, self.layout[s][1])
+            usable &= set() if pinned else set(allowed)
+        return usable
+
     def _challenger(self, slots: list[int]) -> int | None:
         """The method whose trial steps were faster than every method of the plan's by
         ``margin``, among those every slot may run (budget and pins), or None. A plan that
         mixes methods was never run whole in the trials, so its methods' trial steps do not
         bound its own (two transports side by side, each method's calls slowed by the other's):
         the fastest single method challenges it whatever the margin."""
-        usable = set(range(len(self._uniform)))
-        for s in slots:
-            allowed, pinned = self.config.pinned.allowed(self.candidates, self.layout[s][1])
-            usable &= set() if pinned else set(allowed) - self.pruned
-        known = sorted(k for k in usable if math.isfinite(self._uniform[k]))
+        known = sorted(k for k in self._usable(slots) if math.isfinite(self._uniform[k]))
         methods = {self.plan[s].candidate for s in slots}
         if not known or not methods:
             return None
