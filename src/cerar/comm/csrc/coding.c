@@ -70,9 +70,9 @@ static inline float load_f16(const void *base, int64_t i) {
 
 /* ---- encode ------------------------------------------------------------------------------ */
 
-/* Eight columns at a time: their c values (8 x c, row-major) transposed in registers into c
+/* Blocks of eight columns: their c values (8 x c, row-major) transposed in registers into c
    vectors of 8 columns each, so that each round's 8 outputs are c fused multiply-adds and one
-   store. Written with AVX2/FMA intrinsics for c a multiple of 8 up to ENCODE_MAX_C (compilers
+   store (two blocks at once where there are 16 columns left, see encode_avx). Written with AVX2/FMA intrinsics for c a multiple of 8 up to ENCODE_MAX_C (compilers
    do not vectorise the transpose); elsewhere cerar_encode refuses and the torch product runs. */
 #define ENCODE_MAX_C 32
 #define MAX_ROUNDS 1024
@@ -100,29 +100,57 @@ static inline void transpose8(__m256 r[8]) {
 }
 
 #define HAVE_AVX2 1 /* the encode below and the float decode's registers use it */
-static void encode_avx(int64_t w, int64_t c, int64_t rounds, const float *x, const float *rows, int64_t ld,
-                       float *out) {
-    __m256 xt[ENCODE_MAX_C];
-    int64_t q0 = 0;
-    for (; q0 + 8 <= w; q0 += 8) {
+/* Columns q0 .. q0 + 8 B - 1 transposed into xt (xt[b][j]: value j of the block's columns 8 b ..). */
+static inline void transpose_columns(const float *x, int64_t c, int64_t q0, int blocks, __m256 xt[][ENCODE_MAX_C]) {
+    for (int b = 0; b < blocks; ++b)
         for (int64_t j0 = 0; j0 < c; j0 += 8) {
             __m256 block[8];
-            for (int q = 0; q < 8; ++q) block[q] = _mm256_loadu_ps(x + (q0 + q) * c + j0);
+            for (int q = 0; q < 8; ++q) block[q] = _mm256_loadu_ps(x + (q0 + 8 * b + q) * c + j0);
             transpose8(block);
-            for (int j = 0; j < 8; ++j) xt[j0 + j] = block[j];
+            for (int j = 0; j < 8; ++j) xt[b][j0 + j] = block[j];
         }
+}
+
+/* A streaming store where aligned: the increments (L/c of the input) are written once and read
+   rounds later, so an ordinary store would first read every line it writes (write-allocate), a
+   third more memory traffic than the encode needs. */
+static inline void store_increment(float *target, __m256 value) {
+    if (((uintptr_t)target & 31u) == 0)
+        _mm256_stream_ps(target, value);
+    else
+        _mm256_storeu_ps(target, value);
+}
+
+static void encode_avx(int64_t w, int64_t c, int64_t rounds, const float *x, const float *rows, int64_t ld,
+                       float *out) {
+    __m256 xt[2][ENCODE_MAX_C];
+    int64_t q0 = 0;
+    /* Sixteen columns at a time: each round's store is then a whole 64-byte line of its
+       increment, so that the L streams of streaming stores each fill a line before it leaves the
+       core (eight columns wrote half lines, L streams at once, more than the core combines). */
+    for (; q0 + 16 <= w; q0 += 16) {
+        transpose_columns(x, c, q0, 2, xt);
         for (int64_t t = 0; t < rounds; ++t) {
             const float *r = rows + t * c;
-            __m256 acc = _mm256_mul_ps(_mm256_broadcast_ss(r), xt[0]);
-            for (int64_t j = 1; j < c; ++j) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(r + j), xt[j], acc);
-            /* A streaming store where aligned: the increments (L/c of the input) are written
-               once and read rounds later, so an ordinary store would first read every line it
-               writes (write-allocate), a third more memory traffic than the encode needs. */
+            __m256 coefficient = _mm256_broadcast_ss(r);
+            __m256 low = _mm256_mul_ps(coefficient, xt[0][0]), high = _mm256_mul_ps(coefficient, xt[1][0]);
+            for (int64_t j = 1; j < c; ++j) {
+                coefficient = _mm256_broadcast_ss(r + j);
+                low = _mm256_fmadd_ps(coefficient, xt[0][j], low);
+                high = _mm256_fmadd_ps(coefficient, xt[1][j], high);
+            }
             float *target = out + t * ld + q0;
-            if (((uintptr_t)target & 31u) == 0)
-                _mm256_stream_ps(target, acc);
-            else
-                _mm256_storeu_ps(target, acc);
+            store_increment(target, low);
+            store_increment(target + 8, high);
+        }
+    }
+    for (; q0 + 8 <= w; q0 += 8) {
+        transpose_columns(x, c, q0, 1, xt);
+        for (int64_t t = 0; t < rounds; ++t) {
+            const float *r = rows + t * c;
+            __m256 acc = _mm256_mul_ps(_mm256_broadcast_ss(r), xt[0][0]);
+            for (int64_t j = 1; j < c; ++j) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(r + j), xt[0][j], acc);
+            store_increment(out + t * ld + q0, acc);
         }
     }
     _mm_sfence(); /* the streaming stores are visible to the thread that sends them */
@@ -155,25 +183,27 @@ int cerar_encode(int64_t w, int64_t c, int64_t rounds, const float *x, const flo
 
 /* The columns [q0, q0 + w) of one piece, accumulated in ACC (double or float) with the
    matrices dt and wt in ACC: obs points at slot 0's value of column q0 in float32, ld values
-   between slots (the packets themselves, or a block of them widened from 16 bits). The scale
+   between slots (the packets themselves, or a block of them widened from 16 bits). The own
+   part and the observations' part are two sums, added at the end: two independent chains of
+   multiply-adds, where one chain would wait on the adder's latency at every step. The scale
    is applied in double: 2**q need not be a float. */
 #define DECODE_COLUMNS(C, ACC)                                                              \
     for (int64_t q = 0; q < w; ++q) {                                                      \
-        ACC acc[MAX_C];                                                                     \
+        ACC own[MAX_C], seen[MAX_C];                                                        \
         const float *row = x + q * (C);                                                     \
-        for (int64_t k = 0; k < (C); ++k) acc[k] = 0;                                       \
+        for (int64_t k = 0; k < (C); ++k) own[k] = seen[k] = 0;                             \
         for (int64_t j = 0; j < (C); ++j) {                                                 \
             const ACC value = (ACC)row[j];                                                  \
             const ACC *column = dt + j * (C);                                               \
-            for (int64_t k = 0; k < (C); ++k) acc[k] += column[k] * value;                  \
+            for (int64_t k = 0; k < (C); ++k) own[k] += column[k] * value;                  \
         }                                                                                   \
         for (int64_t s = 0; s < (C); ++s) {                                                 \
             const ACC value = (ACC)obs[s * ld + q];                                         \
             const ACC *column = wt + s * (C);                                               \
-            for (int64_t k = 0; k < (C); ++k) acc[k] += column[k] * value;                  \
+            for (int64_t k = 0; k < (C); ++k) seen[k] += column[k] * value;                 \
         }                                                                                   \
         float *target = out + q * (C);                                                      \
-        for (int64_t k = 0; k < (C); ++k) target[k] = (float)((double)acc[k] * scale);      \
+        for (int64_t k = 0; k < (C); ++k) target[k] = (float)((double)(own[k] + seen[k]) * scale); \
     }
 
 /* One instance per width up to MAX_C, so that the k loops unroll into a few vector registers
@@ -223,40 +253,90 @@ DEFINE_DECODE_FLOAT32(decode_f32, double)
 DEFINE_DECODE_FLOAT32(decode_f32_in_float_loops, float)
 
 #if HAVE_AVX2
-/* In float, c = 8 G: a column's c accumulators in G registers. G is a constant of each
+/* In float, c = 8 G: a column's c accumulators in G registers, K times over: the 2c
+   multiply-adds of a column go round K independent sums, added at the end, so that each waits on
+   the one K steps before it, not on the one before (one chain of 2c dependent multiply-adds
+   kept the decode waiting on the adder's latency, not on memory). G and K are constants of each
    instance: with a runtime count the compilers tried kept the accumulators in memory, and each
    multiply-add then waited on the previous one's store (slower than the loops). */
-#define DEFINE_DECODE_AVX(NAME, G)                                                                     \
+#define DEFINE_DECODE_AVX(NAME, G, K)                                                                  \
     static void NAME(int64_t w, const float *x, const float *obs, int64_t ld, const float *dt,        \
                      const float *wt, double scale, float *out) {                                    \
         const int64_t c = 8 * (G);                                                                     \
         const __m256d factor = _mm256_set1_pd(scale);                                                  \
         for (int64_t q = 0; q < w; ++q) {                                                              \
-            __m256 acc[G];                                                                             \
-            for (int g = 0; g < (G); ++g) acc[g] = _mm256_setzero_ps();                                \
+            __m256 acc[K][G];                                                                          \
+            for (int i = 0; i < (K); ++i)                                                              \
+                for (int g = 0; g < (G); ++g) acc[i][g] = _mm256_setzero_ps();                         \
             const float *row = x + q * c;                                                              \
             for (int64_t j = 0; j < c; ++j) {                                                          \
                 const __m256 value = _mm256_broadcast_ss(row + j);                                     \
                 for (int g = 0; g < (G); ++g)                                                          \
-                    acc[g] = _mm256_fmadd_ps(value, _mm256_loadu_ps(dt + j * c + 8 * g), acc[g]);      \
+                    acc[j % (K)][g] = _mm256_fmadd_ps(value, _mm256_loadu_ps(dt + j * c + 8 * g), acc[j % (K)][g]); \
             }                                                                                          \
             for (int64_t s = 0; s < c; ++s) {                                                          \
                 const __m256 value = _mm256_broadcast_ss(obs + s * ld + q);                            \
                 for (int g = 0; g < (G); ++g)                                                          \
-                    acc[g] = _mm256_fmadd_ps(value, _mm256_loadu_ps(wt + s * c + 8 * g), acc[g]);      \
+                    acc[s % (K)][g] = _mm256_fmadd_ps(value, _mm256_loadu_ps(wt + s * c + 8 * g), acc[s % (K)][g]); \
             }                                                                                          \
             for (int g = 0; g < (G); ++g) { /* times 2**q in double: it need not be a float */        \
-                const __m256d low = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(acc[g])), factor); \
-                const __m256d high = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(acc[g], 1)), factor); \
+                __m256 sum = acc[0][g];                                                                \
+                for (int i = 1; i < (K); ++i) sum = _mm256_add_ps(sum, acc[i][g]);                     \
+                const __m256d low = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(sum)), factor); \
+                const __m256d high = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(sum, 1)), factor); \
                 _mm256_storeu_ps(out + q * c + 8 * g, _mm256_set_m128(_mm256_cvtpd_ps(high), _mm256_cvtpd_ps(low))); \
             }                                                                                          \
         }                                                                                              \
     }
 
-DEFINE_DECODE_AVX(decode_f32_in_float_8, 1)
-DEFINE_DECODE_AVX(decode_f32_in_float_16, 2)
-DEFINE_DECODE_AVX(decode_f32_in_float_24, 3)
-DEFINE_DECODE_AVX(decode_f32_in_float_32, 4)
+DEFINE_DECODE_AVX(decode_f32_in_float_16, 2, 2)
+DEFINE_DECODE_AVX(decode_f32_in_float_24, 3, 2)
+DEFINE_DECODE_AVX(decode_f32_in_float_32, 4, 2)
+
+/* c = 8, in float, in two passes over a block of columns: the own part D x with D's eight
+   columns held in registers, into a small scratch, then the observations' part W o with W's
+   held in registers, added to it. In one pass neither matrix fits in the sixteen registers
+   beside the sums, so each multiply-add loaded its matrix column again: two loads per
+   multiply-add (the value broadcast, the column), and the load ports, not the adders or the
+   memory, set the decode's speed. Two chains per pass, added at the end (see above). */
+#define OWN_BLOCK 128
+static void decode_f32_in_float_8(int64_t w, const float *x, const float *obs, int64_t ld, const float *dt,
+                                  const float *wt, double scale, float *out) {
+    const __m256d factor = _mm256_set1_pd(scale);
+    float own[8 * OWN_BLOCK] __attribute__((aligned(32)));
+    for (int64_t q0 = 0; q0 < w; q0 += OWN_BLOCK) {
+        const int64_t n = w - q0 < OWN_BLOCK ? w - q0 : OWN_BLOCK;
+        {
+            __m256 m[8];
+            for (int j = 0; j < 8; ++j) m[j] = _mm256_loadu_ps(dt + 8 * j);
+            for (int64_t q = 0; q < n; ++q) {
+                const float *row = x + (q0 + q) * 8;
+                __m256 even = _mm256_mul_ps(_mm256_broadcast_ss(row), m[0]);
+                __m256 odd = _mm256_mul_ps(_mm256_broadcast_ss(row + 1), m[1]);
+                for (int j = 2; j < 8; j += 2) {
+                    even = _mm256_fmadd_ps(_mm256_broadcast_ss(row + j), m[j], even);
+                    odd = _mm256_fmadd_ps(_mm256_broadcast_ss(row + j + 1), m[j + 1], odd);
+                }
+                _mm256_store_ps(own + 8 * q, _mm256_add_ps(even, odd));
+            }
+        }
+        __m256 m[8];
+        for (int s = 0; s < 8; ++s) m[s] = _mm256_loadu_ps(wt + 8 * s);
+        for (int64_t q = 0; q < n; ++q) {
+            const float *slots = obs + q0 + q;
+            __m256 even = _mm256_fmadd_ps(_mm256_broadcast_ss(slots), m[0], _mm256_load_ps(own + 8 * q));
+            __m256 odd = _mm256_mul_ps(_mm256_broadcast_ss(slots + ld), m[1]);
+            for (int s = 2; s < 8; s += 2) {
+                even = _mm256_fmadd_ps(_mm256_broadcast_ss(slots + s * ld), m[s], even);
+                odd = _mm256_fmadd_ps(_mm256_broadcast_ss(slots + (s + 1) * ld), m[s + 1], odd);
+            }
+            const __m256 sum = _mm256_add_ps(even, odd); /* times 2**q in double: it need not be a float */
+            const __m256d low = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(sum)), factor);
+            const __m256d high = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(sum, 1)), factor);
+            _mm256_storeu_ps(out + (q0 + q) * 8, _mm256_set_m128(_mm256_cvtpd_ps(high), _mm256_cvtpd_ps(low)));
+        }
+    }
+}
 #endif
 
 static void decode_f32_in_float(int64_t w, int64_t c, const float *x, const float *obs, int64_t ld,
