@@ -579,12 +579,15 @@ def test_bench_records_the_coding_limit_for_coded_cases() -> None:
     raw = {
         "case": {"method": "cerar", "size_bytes": 1 << 20, "components": 8, "construction": "perturbed"},
         "times_s": [0.1, 0.1], "encode_s": [0.002, 0.002], "decode_s": [0.003, 0.003],
-        "handshake_s": [0.001], "bytes_sent": [1.0], "wire_bytes": [], "rel_errors": [1e-4] * 4,
+        "coding_cpu_s": [0.004, 0.002], "handshake_s": [0.001], "bytes_sent": [1.0], "wire_bytes": [],
+        "rel_errors": [1e-4] * 4,
         "copy_bandwidth": 1e9,
     }  # fmt: skip
     record = make_record(raw, "fast", 4, None)
     limit = 21 * (1 << 18) / 1e9
     assert record["coding_limit_s"] == pytest.approx(limit)
     assert record["coding_limit_ratio"] == pytest.approx(0.005 / limit)
+    assert record["coding_cpu_limit_ratio"] == pytest.approx(0.003 / limit)  # the median of the CPU times
     builtin = make_record({**raw, "case": {"method": "builtin", "size_bytes": 1 << 20}}, "fast", 4, None)
     assert builtin["coding_limit_s"] is None and builtin["coding_limit_ratio"] is None
+    assert builtin["coding_cpu_limit_ratio"] is None

@@ -346,7 +346,7 @@ class CerarRun:
         self.accept: Accept | None = None
         self.data_exponent = 0
         self.columns: dict[int, torch.Tensor] = {}
-        self.encode_s = self.decode_s = 0.0
+        self.encode_s = self.decode_s = self.coding_cpu_s = 0.0
         self.maxima: list[float] = []
         self.written: bool | None = None  # decided once, after the last round
 
@@ -423,6 +423,7 @@ class CerarRun:
                     WORKSPACE.release("scaled_input")
             stats.encode_s += self.encode_s
             stats.decode_s += self.decode_s
+            stats.coding_cpu_s += self.coding_cpu_s
             stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
             return CerarOutcome(maxima=self.maxima, written=self.decide())  # decided here if there was no piece
         finally:
@@ -437,7 +438,7 @@ class CerarRun:
                 f"Argument 'flat' must hold {self.d} values of {self.dtype}, not {flat.numel()} of {flat.dtype}."
             )
         self.flat, self.accept, self.data_exponent = flat, accept, data_exponent
-        self.encode_s = self.decode_s = 0.0
+        self.encode_s = self.decode_s = self.coding_cpu_s = 0.0
         self.maxima, self.written = [], None
         self.chain.reset()
         c, d = self.c, self.d
@@ -469,9 +470,10 @@ class CerarRun:
 
     def _first_round(self, a: int, out: torch.Tensor, increment: torch.Tensor) -> None:
         if self.encoder is not None:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()
             self.encoder.encode(self.columns[a], self.increments[a])
             self.encode_s += time.perf_counter() - began
+            self.coding_cpu_s += time.thread_time() - cpu
         else:
             self._encode_batch(0, a)
         out.copy_(increment)
@@ -482,16 +484,17 @@ class CerarRun:
 
     def _encode_batch(self, j: int, a: int) -> None:
         """Batch ``j``'s increments of the piece starting at column ``a``."""
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.thread_time()
         encode_rounds(self.batch_rows[j], self.columns[a], self.increments[a])
         self.encode_s += time.perf_counter() - began
+        self.coding_cpu_s += time.thread_time() - cpu
 
     def _fused_decode(self, a: int, b: int) -> None:
         """The piece's sum in one compiled pass (:mod:`cerar.comm.native`), written over its
         input, times ``2**q``, if :meth:`decide` says so; otherwise nothing is read or written."""
         if not self.decide():
             return
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.thread_time()
         c, d, rows = self.c, self.d, self.columns[a]
         out = rows
         if self.data_exponent and b <= self.full_rows:  # the scaled copy's pieces are not flat's
@@ -502,11 +505,12 @@ class CerarRun:
         if b > self.full_rows:  # the copied last piece: its values back into flat
             self.flat[a * c :].copy_(out.view(-1)[: d - a * c])
         self.decode_s += time.perf_counter() - began
+        self.coding_cpu_s += time.thread_time() - cpu
 
     def _fold(self, t: int, a: int, b: int, group: tuple[int, int]) -> None:
         """Fold a group of slots into the piece's sum (the own part ``D X`` with the first); after
         the last round, write the sum if :meth:`decide` says so."""
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.thread_time()
         start, _ = group
         acc = self.totals[a]
         arrived, observed = self.folds[(a, start)]
@@ -523,6 +527,7 @@ class CerarRun:
             if b > self.full_rows:  # the copied last piece: its values back into flat
                 self.flat[a * c :].copy_(out.view(-1)[: d - a * c])
         self.decode_s += time.perf_counter() - began
+        self.coding_cpu_s += time.thread_time() - cpu
 
 
 def _both(first: Action, second: Action) -> None:

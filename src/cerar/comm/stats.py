@@ -20,6 +20,10 @@ class CommStats:
         bytes_sent, bytes_received: bytes handed to / received from point-to-point ops.
         encode_s: time spent computing injections (the packets' increments).
         decode_s: time spent decoding observations into the result.
+        coding_cpu_s: CPU time the coding thread spent in the encode and the decode
+            (``time.thread_time``); ``encode_s + decode_s`` less this is time the coding waited
+            for a core, where ranks share the cores (it counts the calling thread only: on a GPU,
+            or with torch's intra-op threads, it is not the coding's work).
         handshake_s: time in the call's handshake (settings, call number, scale).
         wall_s: wall-clock time inside the calls.
         peak_extra_bytes: most memory the call allocated beyond the caller's tensor (max, not sum).
@@ -37,6 +41,7 @@ class CommStats:
     bytes_received: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
+    coding_cpu_s: float = 0.0
     handshake_s: float = 0.0
     wall_s: float = 0.0
     peak_extra_bytes: int = 0

@@ -11,7 +11,10 @@ any implementation is the memory traffic it cannot avoid, at the rate this machi
 :func:`copy_bandwidth` measures the rate (bytes read plus bytes written per second by
 ``dst.copy_(src)`` of a buffer far larger than the caches), on every rank at once, as the coding
 runs; ``cerar bench`` records ``coding_limit_s`` and ``coding_limit_ratio`` (coding time over
-the limit) per coded case. Exact methods have no coding: their limit is None.
+the limit) per coded case, and ``coding_cpu_limit_ratio``: the coding thread's CPU time over the
+same limit. The copies are short, so a rank copies while it holds a core; where ranks outnumber
+the cores (four on two here), the coding's wall time also holds the time it waited for one, and
+the two ratios differ by that wait. Exact methods have no coding: their limit is None.
 """
 
 from __future__ import annotations

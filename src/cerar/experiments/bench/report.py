@@ -43,7 +43,7 @@ def format_table(doc: dict[str, Any]) -> str:
         header = (
             f"  {'size':>5}  {'method':<24} {'time ms':>8} {'pred ms':>8} {'[min..max]':>17} {'busbw MB/s':>10} "
             f"{'x builtin':>9} {'x theory':>8} {'MB/rank':>8} {'x wire':>6} {'enc ms':>7} {'dec ms':>7} "
-            f"{'x limit':>7} {'worst err':>9}"
+            f"{'x limit':>9} {'worst err':>9}"
         )
         lines += [header, "  " + "-" * (len(header) - 2)]
         last_size = None
@@ -54,13 +54,14 @@ def format_table(doc: dict[str, Any]) -> str:
             wire = r["time_median_s"] / r["wire_limit_s"] if r.get("wire_limit_s") else None
             wire_text = "-" if wire is None else f"{wire:.2f}"
             limit = r.get("coding_limit_ratio")
-            limit_text = "-" if limit is None else f"{limit:.1f}"
+            cpu = r.get("coding_cpu_limit_ratio")
+            limit_text = "-" if limit is None else f"{limit:.1f}" + ("" if cpu is None else f"/{cpu:.1f}")
             label = series_label(r, several) + (f" -> {r['auto']['method']}" if r.get("auto") else "")
             lines.append(
                 f"  {size:>5}  {label:<24} {_ms(r['time_median_s']):>8} {_ms(r.get('predicted_s')):>8} {spread:>17} "
                 f"{r['busbw_bytes_per_s'] / 1e6:>10.1f} {_ratio(r['ratio_to_builtin']):>9} "
                 f"{_ratio(r['theory_ratio_to_builtin']):>8} {r['bytes_sent_per_rank'] / 1e6:>8.2f} "
-                f"{wire_text:>6} {_ms(r['encode_s']):>7} {_ms(r['decode_s']):>7} {limit_text:>7} "
+                f"{wire_text:>6} {_ms(r['encode_s']):>7} {_ms(r['decode_s']):>7} {limit_text:>9} "
                 f"{r['worst_rel_error']:>9.2g}"
             )
         if info.get("error"):
@@ -73,7 +74,8 @@ def format_table(doc: dict[str, Any]) -> str:
         "builtin's bytes, (1+(N-2)/c)/(2(N-1)/N) for cerar; MB/rank: sent per rank (transport; theory for",
         "builtin); x wire: time / (MB per rank / measured link rate); worst err: max over ranks of",
         "||result - exact sum|| / ||exact sum||; x limit: (enc + dec) / the bytes the coding must move at",
-        "the slowest rank's measured copy rate (cerar.experiments.bench.limit). alpha*: the free fit gave a",
+        "the slowest rank's measured copy rate (cerar.experiments.bench.limit), then the coding thread's CPU",
+        "time in them / the same (the rest is time it waited for a core). alpha*: the free fit gave a",
         "negative latency (bandwidth-bound sweep); refitted with alpha = 0. pred ms: auto's cost model",
         "(rounds x alpha + bytes/rank x beta + values x gamma, one fit per regime over every method); auto ->",
         "the method auto chose at that size (its calibration calls are not timed).",

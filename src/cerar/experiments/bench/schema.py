@@ -68,6 +68,8 @@ RECORD_KEYS: dict[str, tuple[type, ...]] = {
     "copy_bandwidth_bytes_per_s": (float, type(None)),
     "coding_limit_s": (float, type(None)),
     "coding_limit_ratio": (float, type(None)),
+    "coding_cpu_s": (float, type(None)),
+    "coding_cpu_limit_ratio": (float, type(None)),
     "worst_rel_error": (float,),
     "rel_errors": (list,),
     "ratio_to_builtin": (float, type(None)),
@@ -106,6 +108,7 @@ def make_record(
     errors = [float(e) for e in raw["rel_errors"]]
     encode = float(statistics.median(raw["encode_s"])) if raw.get("encode_s") else None
     decode = float(statistics.median(raw["decode_s"])) if raw.get("decode_s") else None
+    cpu = float(statistics.median(raw["coding_cpu_s"])) if raw.get("coding_cpu_s") else None
     bandwidth = raw.get("copy_bandwidth")
     per_value = coding_bytes_per_value(method, world_size, components, ranks_per_node)
     coded_values = size // 4 // (ranks_per_node if method.hierarchical else 1)
@@ -136,6 +139,10 @@ def make_record(
         "copy_bandwidth_bytes_per_s": float(bandwidth) if bandwidth else None,
         "coding_limit_s": limit,
         "coding_limit_ratio": (encode + decode) / limit if limit and None not in (encode, decode) else None,
+        # The coding thread's CPU time in it: where ranks share the cores, encode + decode (wall
+        # time) also holds the time the thread waited for one, which no kernel can remove.
+        "coding_cpu_s": cpu if limit else None,
+        "coding_cpu_limit_ratio": cpu / limit if limit and cpu is not None else None,
         "worst_rel_error": max(errors),
         "rel_errors": errors,
         "ratio_to_builtin": None,

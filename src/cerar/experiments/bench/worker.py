@@ -99,6 +99,7 @@ class CaseRun:
         self.times: list[float] = []
         self.encode: list[float] = []
         self.decode: list[float] = []
+        self.coding_cpu: list[float] = []
         self.handshake: list[float] = []
         self.sent: list[float] = []
         self.wire: list[float] = []
@@ -136,6 +137,7 @@ class CaseRun:
             if stats is not None:
                 self.encode.append(stats.encode_s)
                 self.decode.append(stats.decode_s)
+                self.coding_cpu.append(stats.coding_cpu_s)
                 self.handshake.append(stats.handshake_s)
                 self.sent.append(stats.bytes_sent)
             if tx_before is not None and tx_after is not None:
@@ -184,6 +186,7 @@ class CaseRun:
             "times_s": reduce_max(self.times),  # per iteration, the slowest rank
             "encode_s": reduce_max(self.encode),
             "decode_s": reduce_max(self.decode),
+            "coding_cpu_s": reduce_max(self.coding_cpu),
             "handshake_s": reduce_max(self.handshake),
             "bytes_sent": reduce_max(self.sent),
             "wire_bytes": reduce_max(self.wire),
