@@ -439,6 +439,39 @@ def test_cerar_must_beat_the_rings_by_the_margin_in_steps() -> None:
     assert duel["challenger_kept"] and duel["plan_s"] < duel["challenger_s"]  # faster, not by the margin
 
 
+@pytest.mark.parametrize("exact_step", [0.94, 1.03])
+def test_a_ring_is_challenged_by_a_ring_that_came_within_the_margin(exact_step: float) -> None:
+    """The float16 ring's calls win both buckets and exact's trial steps came within 1% of the
+    ring's (a near tie, which two counted steps each cannot settle; the CERAR methods far
+    slower). Exact challenges the plan in a duel, and its steps decide: truly 6% faster, exact
+    takes the plan; 3% slower, the ring keeps it. Before, no ring challenged a ring plan within
+    the margin, and whichever the calls chose ran the rest of the run."""
+    config = AutoConfig(warmup=1, trials=3, verify_every=10, redecide_every=None, prune_tol=None)
+    engine = AutoEngine(CANDIDATES, config, Identity())  # type: ignore[arg-type]
+    decided, every = config.calibration_steps(len(CANDIDATES)), config.verify_every
+
+    def call_time(step: int, c: Candidate, v: int) -> float:
+        return true_time(FP16, v) * (1.0 if c is FP16 else 1.1 if c is EXACT else 3.0)
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:  # per slot
+        if c is EXACT:
+            return exact_step if step >= decided else 1.01
+        return 1.0 if c is FP16 else 2.0
+
+    ran: dict[int, dict[int, str]] = {}
+    plans = drive_plans(engine, range(decided + 2 * every + 1), call_time, step_cost, LARGE, ran=ran)
+    assert plans[decided] == {0: ("fp16", "fastest"), 1: ("fp16", "fastest")}
+    half = every // 2
+    assert [ran[decided + i][0] for i in range(2 * every)] == ["fp16"] * half + ["exact"] * every + ["fp16"] * half
+    duel = engine.history[-1]["duel"]
+    if exact_step < 1.0:
+        assert plans[decided + 2 * every] == {0: ("exact", "step"), 1: ("exact", "step")}
+        assert duel["challenger_kept"]
+    else:
+        assert plans[decided + 2 * every] == plans[decided]
+        assert not duel["challenger_kept"]
+
+
 def test_engine_hands_a_mixed_plan_to_the_fastest_single_method_when_its_estimate_loses() -> None:
     """Per call the float16 ring takes the large bucket (its calls 10% under 16-bit CERAR's)
     and 16-bit CERAR the small one: a mixed plan, as the calls alone decide it. But every

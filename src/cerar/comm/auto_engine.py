@@ -55,7 +55,9 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    (CERAR must beat the rings by the margin in steps, the measure that judges; a call's time
    misses what the coding takes from backward); otherwise, if one method's trial steps were
    faster than the plan's methods' by ``margin``, or the plan mixes methods (a plan no trial
-   step ran whole), that fastest single method does. The plan and the challenger
+   step ran whole), that fastest single method does, and a plan of one ring is challenged by
+   the fastest other ring whose trial steps came within ``margin`` of its own (a near tie, which
+   two counted steps each do not settle). The plan and the challenger
    (everywhere, ``"step"``) duel over the next two windows, their halves alternating (plan,
    challenger | challenger, plan), and the one whose steps have the smaller median is kept, CERAR
    against a ring only by the margin (two trial
@@ -631,7 +633,11 @@ class AutoEngine:
         ``margin``, among those every slot may run (budget and pins), or None. A plan that
         mixes methods was never run whole in the trials, so its methods' trial steps do not
         bound its own (two transports side by side, each method's calls slowed by the other's):
-        the fastest single method challenges it whatever the margin."""
+        the fastest single method challenges it whatever the margin. A plan of one exact or
+        16-bit ring is challenged by the fastest other ring whose trial steps came within
+        ``margin`` of its own (a near tie that two counted steps each cannot settle: on a fast
+        link exact and the float16 ring differ by a few percent, which the calls' model and
+        two trial steps called either way); the duel's eight steps each settle it."""
         known = sorted(k for k in self._usable(slots) if math.isfinite(self._uniform[k]))
         methods = {self.plan[s].candidate for s in slots}
         if not known or not methods:
@@ -640,7 +646,18 @@ class AutoEngine:
         if len(methods) > 1:
             return best
         reference = min(self._uniform[k] for k in methods)
-        return best if {best} != methods and self._uniform[best] < (1.0 - self.config.margin) * reference else None
+        if {best} != methods and self._uniform[best] < (1.0 - self.config.margin) * reference:
+            return best
+        if self._has_cerar(self.plan):
+            return None
+        near = [
+            k
+            for k in known
+            if k not in methods
+            and self.candidates[k].baseline
+            and self._uniform[k] < (1.0 + self.config.margin) * reference
+        ]
+        return min(near, key=lambda k: (self._uniform[k], k)) if near else None
 
     def _decide_slot(self, slot: int) -> Choice:
         numel, nbytes = self.layout[slot]
