@@ -573,6 +573,22 @@ def test_coding_limit_counts_the_bytes_the_coding_must_move() -> None:
     assert copy_bandwidth(1 << 20, repeats=2) > 0
 
 
+def test_coding_limit_script_times_the_compiled_kernels() -> None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "coding_limit.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--sizes", "0.25", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    from cerar.comm import native
+
+    if native.status().startswith("on"):
+        kernels = [line for line in result.stdout.splitlines() if line.strip().startswith("0.25 MB:")]
+        assert len(kernels) == 1 and all(name in kernels[0] for name in ("encode", "decode fp32", "decode fp16"))
+    else:  # no compiler: the script says so instead of timing
+        assert "no compiled coding" in result.stdout + result.stderr
+
+
 def test_bench_records_the_coding_limit_for_coded_cases() -> None:
     from cerar.experiments.bench.schema import make_record
 

@@ -139,6 +139,23 @@ def _bytes_worker(rank: int, world: int, c: int, d: int, dtype: torch.dtype) -> 
     return coded.bytes_sent, coded.bytes_received, ring.bytes_sent, coded.rounds
 
 
+def _coding_time_worker(rank: int, world: int, packet: torch.dtype) -> tuple[float, float, float]:
+    stats = CommStats()
+    code = codes.optimized(world, 8, "fp16") if packet == torch.float16 else codes.perturbed(world, 8)
+    for _ in range(2):
+        cerar.all_reduce(torch.randn(1 << 18), code=code, packet_dtype=packet, stats=stats)
+    return stats.encode_s, stats.decode_s, stats.coding_cpu_s
+
+
+@pytest.mark.parametrize("packet", [torch.float32, torch.float16])
+def test_coding_cpu_time_is_counted_within_the_coding_wall_time(packet: torch.dtype) -> None:
+    # The coding thread's CPU time in the encode and the decode: some, and never more than
+    # the wall time of the same intervals (clock reads a few microseconds apart aside).
+    for encode, decode, cpu in check(run_ranks(_coding_time_worker, 4, packet, timeout=120)):
+        assert encode > 0.0 and decode > 0.0
+        assert 0.0 < cpu <= (encode + decode) * 1.01 + 1e-4
+
+
 @pytest.mark.parametrize(("world", "c", "d", "dtype"), [(3, 6, 1001, torch.float32), (4, 12, 5000, torch.float64)])
 def test_measured_bytes_match_formula(world: int, c: int, d: int, dtype: torch.dtype) -> None:
     itemsize = torch.tensor([], dtype=dtype).element_size()
