@@ -72,8 +72,9 @@ static inline float load_f16(const void *base, int64_t i) {
 
 /* Blocks of eight columns: their c values (8 x c, row-major) transposed in registers into c
    vectors of 8 columns each, so that each round's 8 outputs are c fused multiply-adds and one
-   store (two blocks at once where there are 16 columns left, see encode_avx). Written with AVX2/FMA intrinsics for c a multiple of 8 up to ENCODE_MAX_C (compilers
-   do not vectorise the transpose); elsewhere cerar_encode refuses and the torch product runs. */
+   store (two blocks at once where 16 columns are left, see encode_avx). Written with AVX2/FMA
+   intrinsics for c a multiple of 8 up to ENCODE_MAX_C (compilers do not vectorise the
+   transpose); elsewhere cerar_encode refuses and the torch product runs. */
 #define ENCODE_MAX_C 32
 #define MAX_ROUNDS 1024
 
