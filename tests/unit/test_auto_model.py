@@ -472,6 +472,32 @@ def test_a_ring_is_challenged_by_a_ring_that_came_within_the_margin(exact_step: 
         assert not duel["challenger_kept"]
 
 
+@pytest.mark.parametrize("cerar_step", [1.12, 1.02])
+def test_cerar_far_behind_the_ring_in_its_trial_steps_gets_no_duel(cerar_step: float) -> None:
+    """Per call 16-bit CERAR wins both buckets (the plan), but even its fastest counted trial
+    step is 12% slower than the float16 ring's: the ring takes every bucket at the decision,
+    without the ten steps of the plan a duel would run (``duel_tol`` 10%). Its fastest 2%
+    slower (its other step 10%: not clearly slower either), the two duel."""
+    engine = AutoEngine(CANDIDATES, CONFIG, Identity())  # type: ignore[arg-type]
+    every = CONFIG.verify_every
+
+    def step_cost(step: int, c: Candidate, v: int) -> float:  # per slot; its counted steps are 8 and 9
+        return cerar_step + 0.08 * (step % 2 == 0) if c is CERAR16 else 1.0 if c is FP16 else 2.0
+
+    ran: dict[int, dict[int, str]] = {}
+    plans = drive_plans(
+        engine, range(DECIDED + 2 * every + 1), lambda step, c, v: true_time(c, v), step_cost, LARGE, ran=ran
+    )
+    if cerar_step > 1.0 + CONFIG.duel_tol:
+        assert plans[DECIDED] == plans[DECIDED + 2 * every] == {0: ("fp16", "step"), 1: ("fp16", "step")}
+        assert {ran[DECIDED + i][0] for i in range(2 * every)} == {"fp16"}
+        assert not any("duel" in e for e in engine.history)
+    else:
+        assert plans[DECIDED] == {0: ("cerar-fp16", "fastest"), 1: ("cerar-fp16", "fastest")}
+        assert [ran[DECIDED + i][0] for i in range(2 * every)] == ["cerar-fp16", "fp16", "fp16", "cerar-fp16"]
+        assert plans[DECIDED + 2 * every] == {0: ("fp16", "step"), 1: ("fp16", "step")}
+
+
 def test_engine_hands_a_mixed_plan_to_the_fastest_single_method_when_its_estimate_loses() -> None:
     """Per call the float16 ring takes the large bucket (its calls 10% under 16-bit CERAR's)
     and 16-bit CERAR the small one: a mixed plan, as the calls alone decide it. But every

@@ -57,7 +57,9 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    faster than the plan's methods' by ``margin``, or the plan mixes methods (a plan no trial
    step ran whole), that fastest single method does, and a plan of one ring is challenged by
    the fastest other ring whose trial steps came within ``margin`` of its own (a near tie, which
-   two counted steps each do not settle). The plan and the challenger
+   two counted steps each do not settle). A plan with CERAR whose estimate from its methods'
+   fastest counted trial steps is ``duel_tol`` slower than the challenging ring's median goes
+   to the ring at once, without a duel. The plan and the challenger
    (everywhere, ``"step"``) duel over the next two windows, their halves alternating (plan,
    challenger | challenger, plan), and the one whose steps have the smaller median is kept, CERAR
    against a ring only by the margin (two trial
@@ -124,6 +126,8 @@ class AutoConfig:
         verify_tol: a CERAR slot measured this fraction slower than predicted goes back (steps:
             a window whose median step is this fraction slower than the plan's trial estimate).
         step_tol: the plan's steps (and a CERAR slot against its baseline) may be this much slower.
+        duel_tol: a plan with CERAR whose estimate from the trial steps is this fraction slower
+            than its challenging ring's trial steps goes to the ring at the decision, without a duel.
         verify_every: steps per verification window.
         redecide_every: steps of a plan before the next calibration (``None``: never on a schedule).
         candidates: the candidates' names (:data:`cerar.comm.auto_candidates.CANDIDATE_NAMES`).
@@ -137,6 +141,7 @@ class AutoConfig:
     hysteresis: float = 0.05
     verify_tol: float = 0.25
     step_tol: float = 0.03
+    duel_tol: float = 0.10
     verify_every: int = 10
     redecide_every: int | None = 1000
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -146,7 +151,7 @@ class AutoConfig:
         check_int("warmup", self.warmup, minimum=0)
         check_int("trials", self.trials, minimum=2)
         check_float("prune_tol", self.prune_tol, nonnegative=True, optional=True)
-        for name in ("margin", "hysteresis", "verify_tol", "step_tol"):
+        for name in ("margin", "hysteresis", "verify_tol", "step_tol", "duel_tol"):
             check_float(name, getattr(self, name), nonnegative=True, maximum=1.0)
         check_int("verify_every", self.verify_every, minimum=1)
         check_int("redecide_every", self.redecide_every, minimum=1, optional=True)
@@ -514,7 +519,21 @@ class AutoEngine:
             # The plan against the challenger in the next two windows, their halves alternating.
             steps_of = {s: self._choice(s, challenger, "step", plan[s].baseline) for s in slots}
             self._contest, self._duel = None, (steps_of, None)
-        if challenger is not None and len(methods) == 1 and self._clearly_faster(challenger, *methods):
+        # The plan's best case: each of its methods' fastest counted trial step, against the
+        # ring's median, so that one slow trial step of CERAR's (a warm-up cost) hands nothing over.
+        estimate = self._mixed_estimate(slots, best=True) if challenger is not None and self._has_cerar(plan) else None
+        if (
+            challenger is not None
+            and self.candidates[challenger].baseline
+            and estimate is not None
+            and estimate >= (1.0 + self.config.duel_tol) * self._uniform[challenger]
+        ):
+            # CERAR's trial steps lost to the ring's by more than a duel reverses (docs/auto.md
+            # lists the duels this was set from): the ring takes every slot now, instead of
+            # after the ten steps of the plan a duel would run.
+            self._contest, self._duel, self._steps_checked = None, None, True
+            self._everywhere(challenger, slots)
+        elif challenger is not None and len(methods) == 1 and self._clearly_faster(challenger, *methods):
             # The plan is one method, whose whole steps the trials timed: the challenger runs
             # the first window and stays if its steps beat that method's trial steps.
             (method,) = methods
@@ -597,13 +616,14 @@ class AutoEngine:
         for s in slots:
             self.plan[s] = self._choice(s, method, "step", self.plan[s].baseline)
 
-    def _mixed_estimate(self, slots: list[int]) -> float | None:
-        """A plan's step from its methods' trial steps, each weighted by the bytes of the slots
-        it runs (each method's share of the step's communication), or None if one of them has
-        no trial step. Optimistic for a plan that mixes transports: their calls slow each other,
-        which no uniform trial step contains."""
+    def _mixed_estimate(self, slots: list[int], best: bool = False) -> float | None:
+        """A plan's step from its methods' trial steps (their medians; ``best``: the fastest of
+        each), each weighted by the bytes of the slots it runs (each method's share of the
+        step's communication), or None if one of them has no trial step. Optimistic for a plan
+        that mixes transports: their calls slow each other, which no uniform trial step contains."""
         total = sum(self.layout[s][1] for s in slots)
-        steps = [self._uniform[self.plan[s].candidate] for s in slots]
+        of = (lambda k: min(self._trial_steps[k], default=math.inf)) if best else (lambda k: self._uniform[k])
+        steps = [of(self.plan[s].candidate) for s in slots]
         if total <= 0 or not all(map(math.isfinite, steps)):
             return None
         return sum(self.layout[s][1] * t for s, t in zip(slots, steps, strict=True)) / total
