@@ -63,8 +63,9 @@ def _ddp_auto(rank: int, world_size: int, fail_cerar: bool) -> dict[str, Any]:
     module = _model()
     model = DDP(module, bucket_cap_mb=0.005)  # several buckets
     # The timings are injected per call; the steps' own times are real and noisy here, so no
-    # trial is cut by them (the cut has its tests in tests/unit/test_auto_model.py).
-    config = AutoConfig(trials=2, verify_every=100, prune_tol=None)
+    # trial is cut by them, nor is a plan handed to a ring by them at the decision (both have
+    # their tests in tests/unit/test_auto_model.py).
+    config = AutoConfig(trials=2, verify_every=100, prune_tol=None, duel_tol=None)
     state = CerarState(method="auto", max_error=0.1, auto=config)
     model.register_comm_hook(state, cerar_hook)  # an AutoState goes to auto_hook
     calibration = config.calibration_steps(4)

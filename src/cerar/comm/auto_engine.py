@@ -127,7 +127,8 @@ class AutoConfig:
             a window whose median step is this fraction slower than the plan's trial estimate).
         step_tol: the plan's steps (and a CERAR slot against its baseline) may be this much slower.
         duel_tol: a plan with CERAR whose estimate from the trial steps is this fraction slower
-            than its challenging ring's trial steps goes to the ring at the decision, without a duel.
+            than its challenging ring's trial steps goes to the ring at the decision, without a
+            duel (``None``: every such plan duels).
         verify_every: steps per verification window.
         redecide_every: steps of a plan before the next calibration (``None``: never on a schedule).
         candidates: the candidates' names (:data:`cerar.comm.auto_candidates.CANDIDATE_NAMES`).
@@ -141,7 +142,7 @@ class AutoConfig:
     hysteresis: float = 0.05
     verify_tol: float = 0.25
     step_tol: float = 0.03
-    duel_tol: float = 0.10
+    duel_tol: float | None = 0.10
     verify_every: int = 10
     redecide_every: int | None = 1000
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -151,8 +152,9 @@ class AutoConfig:
         check_int("warmup", self.warmup, minimum=0)
         check_int("trials", self.trials, minimum=2)
         check_float("prune_tol", self.prune_tol, nonnegative=True, optional=True)
-        for name in ("margin", "hysteresis", "verify_tol", "step_tol", "duel_tol"):
+        for name in ("margin", "hysteresis", "verify_tol", "step_tol"):
             check_float(name, getattr(self, name), nonnegative=True, maximum=1.0)
+        check_float("duel_tol", self.duel_tol, nonnegative=True, optional=True)
         check_int("verify_every", self.verify_every, minimum=1)
         check_int("redecide_every", self.redecide_every, minimum=1, optional=True)
         names = tuple(self.candidates) if isinstance(self.candidates, (list, tuple)) else ()
@@ -521,9 +523,11 @@ class AutoEngine:
             self._contest, self._duel = None, (steps_of, None)
         # The plan's best case: each of its methods' fastest counted trial step, against the
         # ring's median, so that one slow trial step of CERAR's (a warm-up cost) hands nothing over.
-        estimate = self._mixed_estimate(slots, best=True) if challenger is not None and self._has_cerar(plan) else None
+        handing = challenger is not None and self.config.duel_tol is not None and self._has_cerar(plan)
+        estimate = self._mixed_estimate(slots, best=True) if handing else None
         if (
             challenger is not None
+            and self.config.duel_tol is not None
             and self.candidates[challenger].baseline
             and estimate is not None
             and estimate >= (1.0 + self.config.duel_tol) * self._uniform[challenger]
