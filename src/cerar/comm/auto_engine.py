@@ -38,18 +38,19 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    then agreed as the elementwise smallest candidate index, so that no platform's rounding
    can split the ranks;
 4. windows of ``verify_every`` steps by the plan, each agreed at its end: for calls, a slot
-   by CERAR measured slower than predicted (by ``verify_tol``) or than its baseline goes to
-   the baseline (``"verify"``). With steps (DDP) the window's median step is what is judged,
+   by CERAR measured slower than predicted (by ``verify_tol``) or than its baseline's trial
+   calls duels its baseline over the next two windows, halves alternating as in the steps'
+   duels below, and goes to it (``"verify"``) unless CERAR's calls were ``margin`` faster
+   (then, ``"step"``: not verified again). With steps (DDP) the window's median step is what is judged,
    the measure the trials decided by: a window ``verify_tol`` slower than the plan's estimate
    from its trial steps sends every slot by CERAR to its baseline. A call's time in a
    backward pass does not show what the call costs the step: the first bucket's call waits
    for the ranks to reach it and shares the cores with the rest of backward (time the step
    spends anyway), its coding takes from backward what no call time shows, and the calls of
    two transports overlap. A verification's change runs the next window and stays only if that
-   window is ``margin`` faster than the one before (its median step; for calls, its calls'
-   median), since what it went by was timed earlier (the baseline's trial calls, among other
-   calls; the plan's trial steps); otherwise the slots it changed come back as ``"step"``,
-   not verified again.
+   window is ``margin`` faster than the one before (its median step), since what it went by
+   was timed earlier (the plan's trial steps); otherwise the slots it changed come back as
+   ``"step"``, not verified again.
    If the plan has CERAR in it and its estimate from its methods' trial steps is not
    ``margin`` below the fastest exact or 16-bit ring's trial steps, that ring challenges it
    (CERAR must beat the rings by the margin in steps, the measure that judges; a call's time
@@ -262,11 +263,12 @@ class AutoEngine:
         # challenger's (the challenger, (the plan, its trial steps' median)); a verification's
         # change in steps, with no challenger: (None, (the plan before it, its window's median)).
         self._contest: tuple[int | None, tuple[dict[int, Choice], float]] | None = None
-        # A duel of the plan against its challenger (the fastest ring, or the method of the
-        # fastest trial steps: :meth:`_decide`) in the two windows after the decision, their
-        # halves alternating (:meth:`_duel_choice`): the challenger's plan, and the first
-        # window's agreed steps once it ended.
-        self._duel: tuple[dict[int, Choice], list[float] | None] | None = None
+        # A duel of the plan against its challenger (steps: the fastest ring, or the method of
+        # the fastest trial steps, :meth:`_decide`; calls: the baseline of a slot the
+        # verification found slow) in two windows, their halves alternating
+        # (:meth:`_duel_choice`): the challenger's plan, the first window's agreed steps (for
+        # calls, the calls' times) once it ended, and the duel's first window.
+        self._duel: tuple[dict[int, Choice], list[float] | None, int] | None = None
 
     # ---------------------------------------------------------------------------------------
     def phase(self, step: int) -> tuple[str, int, int]:
@@ -367,8 +369,13 @@ class AutoEngine:
                 self._costs[(index, offset)] = self._costs.get((index, offset), 0.0) + seconds
             if kind == "trial" and offset >= 1 and candidate == index:
                 self._trial[(index, offset - 1, slot)] = seconds
-            elif kind == "run" and slot in self.plan and self.plan[slot].candidate == candidate:
+            elif kind == "run" and slot in self.plan and candidate in self._running(slot):
                 self._window[(index, offset, slot)] = seconds
+
+    def _running(self, slot: int) -> tuple[int, ...]:
+        """The candidates ``slot`` runs in this window: the plan's, and a duel's challenger."""
+        plan = self.plan[slot].candidate
+        return (plan,) if self._duel is None else (plan, self._duel[0][slot].candidate)
 
     # ---------------------------------------------------------------------------------------
     def _note_step(self, step: int, seconds: float) -> None:
@@ -520,7 +527,7 @@ class AutoEngine:
         if challenger is not None:
             # The plan against the challenger in the next two windows, their halves alternating.
             steps_of = {s: self._choice(s, challenger, "step", plan[s].baseline) for s in slots}
-            self._contest, self._duel = None, (steps_of, None)
+            self._contest, self._duel = None, (steps_of, None, 0)
         # The plan's best case: each of its methods' fastest counted trial step, against the
         # ring's median, so that one slow trial step of CERAR's (a warm-up cost) hands nothing over.
         handing = challenger is not None and self.config.duel_tol is not None and self._has_cerar(plan)
@@ -580,10 +587,13 @@ class AutoEngine:
         of the machine's pace moves both medians alike; one window of each in turn pits the
         later window's pace against the earlier's (here, steps that computed a quarter slower
         for ten steps were once the whole difference between two methods)."""
-        if self._duel is None or window not in (0, 1):
+        if self._duel is None:
+            return None
+        challenger, _, first = self._duel
+        if window not in (first, first + 1):
             return None
         half = max(1, self.config.verify_every // 2)
-        return self._duel[0][slot] if (offset >= half) == (window == 0) else None
+        return challenger[slot] if (offset >= half) == (window == first) else None
 
     def _run_duel(self, window: int, steps: list[float]) -> dict[str, Any]:
         """The duel's window ``window`` ended with the agreed ``steps`` (by offset): after the
@@ -592,9 +602,9 @@ class AutoEngine:
         wins only if ``margin`` faster. The first step of each half is left out where a half
         has more: it may carry the switch's costs (a transport's first call after another's)."""
         assert self._duel is not None
-        challenger, earlier = self._duel
-        if window == 0:
-            self._duel = (challenger, steps)
+        challenger, earlier, first = self._duel
+        if window == first:
+            self._duel = (challenger, steps, first)
             return {}
         assert earlier is not None
         half = max(1, self.config.verify_every // 2)
@@ -612,6 +622,8 @@ class AutoEngine:
             kept = plan_s >= (1.0 - self.config.margin) * challenger_s
         if kept:
             self.plan = dict(challenger)
+        elif not self.steps:  # a verification's duel that CERAR won: not verified again
+            self.plan = {s: replace(c, reason="step") if challenger[s] != c else c for s, c in self.plan.items()}
         self._duel, self._steps_checked = None, True
         return {"duel": {"plan_s": _finite(plan_s), "challenger_s": _finite(challenger_s), "challenger_kept": kept}}
 
@@ -734,7 +746,13 @@ class AutoEngine:
         # Steps: the window's step against the plan's estimate from its trial steps.
         estimate = self._mixed_estimate(slots) if self.steps and plan_step is not None else None
         slow_step = estimate is not None and plan_step is not None and plan_step > estimate * (1 + config.verify_tol)
-        duel = {} if self._duel is None else self._run_duel(window, agreed[len(keys) :])
+        # What a duel judges: the window's steps, or for calls each offset's calls (summed over
+        # the slots; the collective's stream has one).
+        series = (
+            agreed[len(keys) :] if self.steps else [_total([at[(window, j, s)] for s in slots]) for j in range(every)]
+        )
+        duel = {} if self._duel is None else self._run_duel(window, series)
+        slow_slots = []
         # A contest's windows, and a duel's, are judged by their steps.
         for s in slots if self._contest is None and self._duel is None and not duel else ():
             choice, measured = self.plan[s], window_s[s]
@@ -748,7 +766,20 @@ class AutoEngine:
                 slow = choice.predicted_s is None or measured > choice.predicted_s * (1 + config.verify_tol)
                 slow = slow or measured > self._slot_times.get((choice.baseline, s), math.inf) * (1 + config.step_tol)
             if slow:
-                self.plan[s] = self._choice(s, choice.baseline, "verify", choice.baseline)
+                slow_slots.append(s)
+        if not self.steps and slow_slots and all(math.isfinite(window_s[s] or math.inf) for s in slow_slots):
+            # Calls: the slow slots' baselines duel the plan over the next two windows, halves
+            # alternating, as the steps' duels do: the window was compared with figures timed
+            # earlier (the baseline's trial calls, among other calls), and a window of each in
+            # turn pits one stretch of the machine's pace against another (in the bench at 1 MB
+            # one slow window of 16-bit CERAR sent the stream to the float16 ring, whose next
+            # window, the machine faster again, kept it there, while CERAR's calls beside the
+            # ring's took 0.85x theirs).
+            duel_plan = {t: self._choice(t, self.plan[t].baseline, "verify", self.plan[t].baseline) for t in slow_slots}
+            self._duel = ({t: duel_plan.get(t, self.plan[t]) for t in slots}, None, window + 1)
+        else:  # steps, or a failed call: to the baseline now, contested below
+            for s in slow_slots:
+                self.plan[s] = self._choice(s, self.plan[s].baseline, "verify", self.plan[s].baseline)
         if duel or self._duel is not None:
             pass  # a duel's windows mix two methods: they judge the duel alone
         elif self._contest is not None:
@@ -847,6 +878,11 @@ def _median(values: Sequence[float], unknown: float | None) -> Any:
     if not known:
         return unknown
     return math.inf if any(math.isinf(v) for v in known) else float(statistics.median(known))
+
+
+def _total(values: Sequence[float]) -> float:
+    """The sum of one offset's slot times, missing (-1) if one of them is."""
+    return MISSING if any(v < 0.0 for v in values) else float(sum(values))
 
 
 def _fastest(counted: Sequence[float]) -> float:
