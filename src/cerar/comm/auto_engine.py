@@ -530,15 +530,11 @@ class AutoEngine:
             self._contest, self._duel = None, (steps_of, None, 0)
         # The plan's best case: each of its methods' fastest counted trial step, against the
         # ring's median, so that one slow trial step of CERAR's (a warm-up cost) hands nothing over.
-        handing = challenger is not None and self.config.duel_tol is not None and self._has_cerar(plan)
-        estimate = self._mixed_estimate(slots, best=True) if handing else None
-        if (
-            challenger is not None
-            and self.config.duel_tol is not None
-            and self.candidates[challenger].baseline
-            and estimate is not None
-            and estimate >= (1.0 + self.config.duel_tol) * self._uniform[challenger]
-        ):
+        hand_over, tol = False, self.config.duel_tol
+        if challenger is not None and tol is not None and self.candidates[challenger].baseline:
+            estimate = self._mixed_estimate(slots, best=True) if self._has_cerar(plan) else None
+            hand_over = estimate is not None and estimate >= (1.0 + tol) * self._uniform[challenger]
+        if challenger is not None and hand_over:
             # CERAR's trial steps lost to the ring's by more than a duel reverses (docs/auto.md
             # lists the duels this was set from): the ring takes every slot now, instead of
             # after the ten steps of the plan a duel would run.
