@@ -18,7 +18,7 @@ PACKAGE = SRC / "cerar"
 
 #: Lower layers first; a module may import its own layer and the layers before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("cerar._checks", "cerar._files", "cerar._version"),
+    ("cerar._cache", "cerar._checks", "cerar._files", "cerar._version"),
     ("cerar.coding",),
     ("cerar.protocol",),
     ("cerar.comm",),

@@ -4,7 +4,10 @@ its build: cached, atomic, and off with a reason where it cannot be had."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
+import subprocess
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -137,12 +140,13 @@ def test_a_compiler_that_fails_leaves_the_torch_ops(fresh: Path, monkeypatch: py
 def test_the_build_is_cached_and_leaves_no_temporary_files(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _decoder(4, seed=7)  # builds into the fresh cache
 
-    def listing() -> list[Path]:  # beside the library, only its build lock (a dot file)
+    def listing() -> list[Path]:  # beside the library, its digest and its build lock (a dot file)
         return sorted(p for p in fresh.iterdir() if not (p.name.startswith(".") and p.name.endswith(".lock")))
 
     built = listing()
-    assert len(built) == 1 and built[0].suffix == ".so", sorted(fresh.iterdir())
-    assert native.status() == f"on: {built[0]}"
+    assert [p.name.removeprefix(built[0].name) for p in built] == ["", ".sha256"], sorted(fresh.iterdir())
+    assert built[0].suffix == ".so" and native.status() == f"on: {built[0]}"
+    assert fresh.stat().st_mode & 0o777 == 0o700  # created private
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_status", None)  # a new process on the same machine
     monkeypatch.setattr(native, "_library", None)
@@ -177,21 +181,24 @@ def test_encode_is_declined_where_it_is_not_written_for() -> None:
     assert native.fused_encoder(torch.ones(10, 8, dtype=torch.float64), torch.float32, torch.device("meta")) is None
 
 
-def test_a_cache_folder_that_cannot_be_written_builds_in_the_temp_folder(
+def test_a_cache_folder_that_cannot_be_written_builds_for_the_process_only(
     fresh: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     blocker = fresh.parent / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("CERAR_CACHE_DIR", str(blocker / "cache"))  # a folder under a file
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(fresh.parent / "tmp"))
-    _decoder(4, seed=8)
-    assert native.status().startswith(f"on: {fresh.parent / 'tmp'}"), native.status()
+    spare = fresh.parent / "tmp"
+    spare.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spare))
+    _assert_decodes_right()
+    assert native.status().startswith("on: built for this process only (cache folder not used:"), native.status()
+    assert list(spare.iterdir()) == []  # its private build folders are gone; nothing predictable was left
 
 
-def _build_counting(compiler: str, source: bytes, log: str) -> None:
+def _build_counting(compiler: list[str], source: bytes, log: str) -> None:
     compile_once = native._compile
 
-    def counted(*args: Path | str | bytes) -> Path:
+    def counted(*args: list[str] | bytes) -> bytes:
         with open(log, "a") as out:
             out.write("built\n")
         return compile_once(*args)  # type: ignore[arg-type]
@@ -215,4 +222,207 @@ def test_ranks_starting_at_once_build_once(fresh: Path, tmp_path: Path) -> None:
         process.join(timeout=120)
         assert process.exitcode == 0
     assert log.read_text() == "built\n"
-    assert [p.suffix for p in fresh.iterdir() if not p.name.endswith(".lock")] == [".so"]
+    assert sorted(p.suffix for p in fresh.iterdir() if not p.name.endswith(".lock")) == [".sha256", ".so"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing runs that cerar did not build: another user's folder, planted, corrupt and
+# other-version libraries, links. A planted library announces itself: its constructor writes a
+# marker file, so a test can tell it was never loaded.
+
+_PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen("%s", "w"); if (f) fclose(f); }
+int cerar_native_version(void) { return %d; }
+"""
+
+
+def _compile_c(text: str, where: Path) -> bytes:
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    src, out = where / "planted.c", where / "planted.so"
+    src.write_text(text)
+    subprocess.run([*compiler, "-O1", "-fPIC", "-shared", "-o", str(out), str(src)], check=True, timeout=120)
+    return out.read_bytes()
+
+
+def _planted(tmp_path: Path) -> tuple[bytes, Path]:
+    """A library whose constructor writes ``marker`` and which says it is this module's version."""
+    marker = tmp_path / "planted-code-ran"
+    return _compile_c(_PLANTED % (marker, native._VERSION), tmp_path), marker
+
+
+def _library_name() -> str:
+    compiler = native._compiler()
+    assert compiler is not None
+    return native._library_name(compiler, resources.files("cerar.comm").joinpath("csrc", "coding.c").read_bytes())
+
+
+def _new_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native, "_library", None)
+
+
+def _assert_decodes_right() -> None:
+    """The compiled decode is in use and right (the reference test's check, one case)."""
+    decoder, d, w = _decoder(8, seed=11)
+    rows = torch.randn(300, 8, generator=torch.Generator().manual_seed(12))
+    obs = _observations(8, 300, ld=300, offset=0, packet=torch.float32, seed=13)
+    out = torch.empty(300, 8)
+    decoder.decode(rows, obs, 1.0, out)
+    expected = _reference(d, w, rows.double().numpy(), obs.double().numpy(), 1.0)
+    terms = (np.abs(d) @ np.abs(rows.double().numpy()).T + np.abs(w) @ np.abs(obs.double().numpy())).T
+    assert np.all(np.abs(out.double().numpy() - expected) <= 2.0**-24 * np.abs(expected) + 1e-13 * terms)
+
+
+def _damaged(kind: str, genuine: bytes, tmp_path: Path) -> bytes:
+    if kind == "truncated":
+        return genuine[: len(genuine) // 2]
+    if kind == "empty":
+        return b""
+    if kind == "random":
+        return np.random.default_rng(0).bytes(len(genuine))
+    # Another version's library: the real source, built to say another version.
+    source = resources.files("cerar.comm").joinpath("csrc", "coding.c").read_text()
+    other = source.replace(f"{{ return {native._VERSION}; }}", f"{{ return {native._VERSION + 1}; }}")
+    assert other != source
+    return _compile_c(other, tmp_path)
+
+
+# A matching digest beside a damaged library is what this user wrote (the folder is private):
+# truncated, it is not a damage to survive (loading it may raise SIGBUS), so it is left out.
+@pytest.mark.parametrize(
+    ("kind", "with_digest"),
+    [(kind, False) for kind in ("truncated", "empty", "random", "other-version")]
+    + [(kind, True) for kind in ("empty", "random", "other-version")],
+)
+def test_a_damaged_library_is_rebuilt_once(
+    fresh: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, with_digest: bool
+) -> None:
+    _assert_decodes_right()  # the genuine build, cached
+    name = _library_name()
+    genuine = (fresh / name).read_bytes()
+    damaged = _damaged(kind, genuine, tmp_path)
+    (fresh / name).write_bytes(damaged)
+    if with_digest:
+        (fresh / f"{name}.sha256").write_bytes(native._digest(damaged))
+    _new_process(monkeypatch)
+    _assert_decodes_right()
+    assert native.status() == f"on: {fresh / name}"
+    assert native._digest((fresh / name).read_bytes()) == (fresh / f"{name}.sha256").read_bytes()
+
+
+def test_a_library_planted_in_the_cache_is_not_loaded(
+    fresh: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fresh.mkdir(mode=0o700)
+    planted, marker = _planted(tmp_path)
+    (fresh / _library_name()).write_bytes(planted)  # under the name cerar would look for, no digest
+    _assert_decodes_right()
+    assert not marker.exists()
+    assert native._digest((fresh / _library_name()).read_bytes()) == (fresh / f"{_library_name()}.sha256").read_bytes()
+
+
+def _other_user() -> int:
+    if os.getuid() != 0:
+        pytest.skip("only root can give a folder to another user")
+    return 65534  # nobody
+
+
+@pytest.mark.parametrize("how", ["another user's", "writable by all"])
+def test_a_folder_others_can_write_is_not_used(
+    fresh: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    planted, marker = _planted(tmp_path)
+    fresh.mkdir(mode=0o700)
+    name = _library_name()
+    (fresh / name).write_bytes(planted)
+    (fresh / f"{name}.sha256").write_bytes(native._digest(planted))  # a digest that matches, too
+    if how == "another user's":
+        for path in (fresh, *fresh.iterdir()):
+            os.chown(path, _other_user(), _other_user())
+    else:
+        fresh.chmod(0o777)
+    before = sorted(p.name for p in fresh.iterdir())
+    _assert_decodes_right()
+    assert not marker.exists()
+    assert "cache folder not used" in native.status() and str(fresh) in native.status(), native.status()
+    assert sorted(p.name for p in fresh.iterdir()) == before  # nothing written there either
+
+
+def test_the_old_shared_temp_folder_is_never_used(fresh: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder planted at the temp folder's predictable name (``cerar-<uid>``, the old fallback)."""
+    spare = tmp_path / "tmp"
+    shared = spare / f"cerar-{os.getuid()}"
+    shared.mkdir(parents=True)
+    planted, marker = _planted(tmp_path)
+    (shared / _library_name()).write_bytes(planted)
+    (shared / f"{_library_name()}.sha256").write_bytes(native._digest(planted))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("CERAR_CACHE_DIR", str(blocker / "cache"))  # the cache folder cannot be made
+    monkeypatch.setattr(tempfile, "tempdir", str(spare))
+    _assert_decodes_right()
+    assert not marker.exists()
+
+
+def test_links_in_the_cache_are_not_followed(fresh: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    planted, marker = _planted(tmp_path)
+    outside = tmp_path / "outside.so"
+    outside.write_bytes(planted)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    fresh.mkdir(mode=0o700)
+    name = _library_name()
+    (fresh / name).symlink_to(outside)  # the library's name -> a planted library
+    (fresh / f"{name}.sha256").symlink_to(victim)  # the digest's name -> a file the build must not write
+    (fresh / "coding.c").symlink_to(victim)  # where a source file would go
+    _assert_decodes_right()
+    assert not marker.exists() and victim.read_text() == "keep me" and outside.read_bytes() == planted
+    assert not (fresh / name).is_symlink() and not (fresh / f"{name}.sha256").is_symlink()  # replaced, not followed
+
+
+def test_a_cache_folder_that_is_a_link_is_not_used(fresh: Path, tmp_path: Path) -> None:
+    real = tmp_path / "elsewhere"
+    real.mkdir(mode=0o700)
+    fresh.symlink_to(real)
+    _assert_decodes_right()
+    assert "cache folder not used" in native.status()
+    assert list(real.iterdir()) == []
+
+
+def test_a_compiler_with_arguments(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("CC", f"{compiler[0]} -O2 -DCERAR_UNUSED='a b'")
+    assert native._compiler() == [compiler[0], "-O2", "-DCERAR_UNUSED=a b"]
+    _assert_decodes_right()
+    assert native.status().startswith("on: "), native.status()
+
+
+def test_a_compiler_setting_that_does_not_parse(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "gcc 'unclosed")
+    eye = torch.eye(4, dtype=torch.float64)
+    assert native.fused_decoder(eye, eye, torch.float32, torch.float32, torch.device("cpu")) is None
+    assert native.status().startswith("off: build failed") and "quotation" in native.status()
+
+
+def test_switching_it_off_in_a_running_process_takes_effect_at_the_next_call(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CERAR_NATIVE=0`` set after a layout has run: that layout's next call runs the torch ops."""
+    from cerar.coding import codes
+    from cerar.comm.algorithms import CerarRun
+    from cerar.comm.transport import Ring
+
+    _decoder(8, seed=0)  # skips where there is no compiler
+    ring = Ring(None, 0, 4, 1, 3, (0, 1, 2, 3))
+    code, flat = codes.perturbed(4, 8), torch.zeros(8 * 1000)
+    assert CerarRun.for_call(flat, code, ring).decoder is not None
+    monkeypatch.setenv("CERAR_NATIVE", "0")
+    run = CerarRun.for_call(flat, code, ring)
+    assert run.decoder is None and run.encoder is None
+    monkeypatch.delenv("CERAR_NATIVE")
+    assert CerarRun.for_call(flat, code, ring).decoder is not None

@@ -196,16 +196,34 @@ def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_failed_cache_write_is_a_miss_and_leaves_nothing(_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A write that fails at the last step (a read-only or full disk; chmod cannot show it to root).
-    import cerar._files
+    import cerar._cache
 
     reference = codes.optimized(4, 12, refine=False, cache=False)
 
-    def refuse(*args: object) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError("read-only file system")
 
-    monkeypatch.setattr(cerar._files.os, "replace", refuse)
+    monkeypatch.setattr(cerar._cache.os, "replace", refuse)
     assert codes.optimized(4, 12, refine=False) == reference
     assert list(_cache.iterdir()) == []  # no entry, no temporary left behind
+
+
+def test_a_cache_others_can_write_is_not_read(_cache: Path) -> None:
+    # An entry another user could have planted (a valid code, but not the design) is ignored.
+    reference = codes.optimized(4, 12, refine=False, cache=False)
+    codes.optimized(4, 12, refine=False)
+    (path,) = _cache.glob("optimized-*.json")
+    data = json.loads(path.read_text())
+    data["code"]["nodes"]["angle"][1] += 1e-4
+    # Planted with care: its recorded error is its own, so the entry's own checks pass.
+    data["extra"]["predicted_worst_error"] = Code.from_dict(data["code"]).predicted_worst_error("fp32")
+    path.write_text(json.dumps(data))
+    planted = path.read_text()
+    _cache.chmod(0o777)
+    assert codes.optimized(4, 12, refine=False).to_dict()["nodes"] == reference.to_dict()["nodes"]
+    assert path.read_text() == planted  # nor written to
+    _cache.chmod(0o700)  # the same entry is read from a private folder: the test can tell
+    assert codes.optimized(4, 12, refine=False).to_dict()["nodes"] != reference.to_dict()["nodes"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,40 +4,25 @@ One JSON file per entry, named by the SHA-256 of the entry's key (every input of
 computation, the library version and the algorithm's own version). An entry is trusted only if
 it parses, its stored key equals the requested key, and its code rebuilds; anything else (a
 truncated file, a file from another version, hand-edited JSON) counts as a miss, is recomputed
-and overwritten. Writes go to a temporary file that is then renamed
-(:func:`cerar._files.atomic_write_text`), so a reader never sees a half-written entry. A cache
-directory that cannot be written is not an error: the result is simply not cached. Pure
-standard library plus :class:`cerar.Code`.
-
-The directory is ``$CERAR_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/cerar``, else
-``~/.cache/cerar``.
+and overwritten. The folder is cerar's private cache folder (:mod:`cerar._cache`: ``$CERAR_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/cerar``, else ``~/.cache/cerar``), read and written only while no other
+user can write to it, since a planted entry would change the sums; files are written atomically,
+so a reader never sees a half-written entry. A folder that cannot be used is not an error: the
+design is computed and not cached. Pure standard library plus :class:`cerar.Code`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cerar._files import atomic_write_text
+from cerar._cache import PrivateFolder, cache_dir
 from cerar.coding.code import Code
 
 __all__ = ["cache_dir", "cached_code", "entry_path"]
-
-ENV_VAR = "CERAR_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    """The cache directory (not created here)."""
-    explicit = os.environ.get(ENV_VAR)
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "cerar"
 
 
 def _canonical(key: Mapping[str, Any]) -> str:
@@ -52,7 +37,11 @@ def entry_path(kind: str, key: Mapping[str, Any]) -> Path:
 
 def _load(path: Path, key: Mapping[str, Any]) -> tuple[Code, dict[str, Any]] | None:
     try:
-        data = json.loads(path.read_text())
+        with PrivateFolder.open(path.parent) as folder:
+            raw = folder.read(path.name)
+        if raw is None:
+            return None
+        data = json.loads(raw)
         if not isinstance(data, dict) or data.get("key") != json.loads(_canonical(key)):
             return None
         code = Code.from_dict(data["code"])
@@ -66,9 +55,10 @@ def _load(path: Path, key: Mapping[str, Any]) -> tuple[Code, dict[str, Any]] | N
 def _store(path: Path, key: Mapping[str, Any], code: Code, extra: Mapping[str, Any]) -> None:
     payload = json.dumps({"key": json.loads(_canonical(key)), "code": code.to_dict(), "extra": dict(extra)})
     try:
-        atomic_write_text(path, payload)  # creates the folder; never leaves a temporary behind
+        with PrivateFolder.open(path.parent) as folder:
+            folder.write(path.name, payload.encode())
     except OSError:
-        pass  # read-only or full disk: caching is an optimisation, not a requirement
+        pass  # read-only, full or not private (UnsafeFolderError): caching is an optimisation
 
 
 def cached_code(

@@ -37,6 +37,7 @@ import torch
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name
 from cerar.coding.scaling import ScaleWindow, scale_window
+from cerar.comm import native
 from cerar.comm.handshake import MaximaChain
 from cerar.comm.kernels import add_rounded, own_part_target, write_transposed
 from cerar.comm.native import fused_decoder, fused_encoder
@@ -263,7 +264,12 @@ class CerarRun:
     ) -> CerarRun:
         """The run of ``flat``'s layout: the one kept in the workspace, or a new one (kept)."""
         packet = packet_dtype or flat.dtype
-        key = ("cerar", code.fingerprint, ring, flat.numel(), flat.dtype, packet, str(flat.device), rows_exponent)
+        # native.enabled(): a process that switches the compiled coding off (CERAR_NATIVE=0) gets
+        # the torch ops from its next call on, also for the layouts it has run.
+        key = (
+            "cerar", code.fingerprint, ring, flat.numel(), flat.dtype, packet, str(flat.device), rows_exponent,
+            native.enabled(),
+        )  # fmt: skip
         run = WORKSPACE.bound.get(key)
         if run is None:
             run = cls(code, ring, flat.numel(), flat.dtype, packet, flat.device, rows_exponent)

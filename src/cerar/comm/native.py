@@ -10,43 +10,44 @@ the decode. It needs no torch headers, so a plain C compiler builds it, in a few
 instance per code width); it is called through ctypes, which releases the GIL for the call, so the training threads keep
 running while a piece is coded.
 
-Built once per machine and source into cerar's cache folder
-(:func:`cerar.coding.design_cache.cache_dir`: ``$CERAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/cerar``
-or ``~/.cache/cerar``; the file name hashes the source, the compiler and the CPU's flags, since
-it is built for the CPU it runs on; where that folder cannot be written, a folder of the user's
-in the temp folder), written atomically so that ranks building at once never load half a file.
-Where there is no compiler, the build fails, or ``CERAR_NATIVE=0`` is set, :func:`fused_decoder`
-and :func:`fused_encoder` return None and the torch ops run instead; :func:`status` says which
-and why. The encode is vectorised by hand (AVX2) for codes of 8, 16, 24 or 32 components, the
-decode compiled for up to 32; elsewhere they return None.
+Built once per machine and source into cerar's private cache folder (:mod:`cerar._cache`:
+``$CERAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/cerar`` or ``~/.cache/cerar``, used only while no
+other user can write to it; the file name hashes the source, the compiler and the CPU's flags,
+since it is built for the CPU it runs on). Nothing is loaded that this process cannot vouch for:
+the build runs in a fresh private folder, the library is stored with its SHA-256 beside it, and
+a cached library is loaded only if its bytes match that digest, from those very bytes (an
+anonymous memory file on Linux, so the file cannot be swapped between the check and the load),
+and only if it reports this module's version. A library that fails any check (truncated, empty,
+another version's, planted) is rebuilt once; where the cache folder is refused, the library is
+built in a fresh private folder for this process. Where there is no compiler, the build fails,
+or ``CERAR_NATIVE=0`` is set, :func:`fused_decoder` and :func:`fused_encoder` return None and
+the torch ops run instead; :func:`status` says which and why. ``CERAR_NATIVE`` is read whenever
+a layout's run is built and at every call (:func:`enabled`), so setting it in a running process
+takes effect at the next call. ``CC`` may hold a compiler with arguments (``CC="gcc -O2"``),
+split as a shell splits words. The encode is vectorised by hand (AVX2) for codes of 8, 16, 24 or
+32 components, the decode compiled for up to 32; elsewhere they return None.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
-import tempfile
 import threading
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from cerar._files import atomic_path
-from cerar.coding.design_cache import cache_dir
+from cerar._cache import PrivateFolder, cache_dir
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: ranks may build at once, each writing the same file atomically
-    fcntl = None  # type: ignore[assignment]
-
-__all__ = ["PACKET_KINDS", "FusedDecoder", "FusedEncoder", "fused_decoder", "fused_encoder", "status", "warm"]
+__all__ = [
+    "PACKET_KINDS", "FusedDecoder", "FusedEncoder", "enabled", "fused_decoder", "fused_encoder", "status", "warm",
+]  # fmt: skip
 
 _SOURCE = "coding.c"
 _VERSION = 2  # cerar_native_version() of the source this module speaks to
@@ -73,99 +74,133 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _switched_off() -> bool:
-    """``CERAR_NATIVE=0``: read at every call, so that a process can compare both paths."""
-    return os.environ.get("CERAR_NATIVE", "1") == "0"
+def enabled() -> bool:
+    """Whether the compiled coding may be used: ``CERAR_NATIVE`` is not ``0``. Read at every call
+    (a layout's run is kept per value), so that a process can compare both paths."""
+    return os.environ.get("CERAR_NATIVE", "1") != "0"
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str] | None:
+    """The compiler's command: ``CC`` split as a shell splits it (``gcc -O2``), else cc, gcc or clang."""
+    configured = os.environ.get("CC", "").strip()
+    if configured:
+        return shlex.split(configured)
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return [found] if found else None
 
 
-def _build(compiler: str, source: bytes) -> Path:
-    """The shared library for ``source``: the cached one, or a new build (atomic), in cerar's
-    cache folder or, where that cannot be written, a folder of this user's in the temp folder."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [version, " ".join(_FLAGS), _cpu_flags(), platform.machine()]
+def _library_name(compiler: list[str], source: bytes) -> str:
+    """The library's file name: a hash of everything the build depends on."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = [version, " ".join(compiler), " ".join(_FLAGS), _cpu_flags(), platform.machine()]
     key = hashlib.sha256(b"\0".join([source, *(part.encode() for part in parts)])).hexdigest()[:16]
-    name = f"coding-{key}.so"
-    spare = Path(tempfile.gettempdir()) / f"cerar-{getattr(os, 'getuid', lambda: 'user')()}"
-    for folder in (cache_dir(), spare):
-        target = folder / name
-        if target.exists():
-            return target
-        try:
-            with _exclusive(folder / f".{name}.lock"):  # one build per machine; the others wait for it
-                return target if target.exists() else _compile(compiler, source, target)
-        except OSError as exc:  # a cache folder that cannot be written: the next one
-            refused = exc
-    raise RuntimeError(f"no folder to build in: {refused}")
+    return f"coding-{key}.so"
 
 
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (created): the ranks of a machine that start at once
-    then build once and load the same file at about the same time, instead of each spending
-    seconds of a shared core and reaching the first handshake seconds apart."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        if fcntl is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
-        yield
+def _build(compiler: list[str], source: bytes) -> tuple[ctypes.CDLL, str]:
+    """The loaded library and where it is kept: the cached one if it passes every check, else
+    built again (once) and stored; in the cache folder if it is private, else in a fresh private
+    folder for this process only (the text says why)."""
+    name = _library_name(compiler, source)
+    try:
+        folder = PrivateFolder.open(cache_dir())
+        where = str(folder.path / name)
+    except OSError as exc:  # UnsafeFolderError, or it cannot be created: never a shared path
+        folder, where = PrivateFolder.fresh(), f"built for this process only (cache folder not used: {exc})"
+    with folder, folder.locked(f".{name}.lock"):  # one build per machine; the others wait for it
+        data = folder.read(name)
+        if data is not None and folder.read(f"{name}.sha256") == _digest(data):
+            try:
+                return _load_bytes(data, folder.path / name), where
+            except (OSError, RuntimeError, AttributeError):
+                pass  # a library of another version, or not one: built again below
+        data = _compile(compiler, source)
+        folder.write(name, data)
+        folder.write(f"{name}.sha256", _digest(data))
+        return _load_bytes(data, folder.path / name), where
 
 
-def _compile(compiler: str, source: bytes, target: Path) -> Path:
-    with atomic_path(target, suffix=".so") as tmp:
-        src = tmp.with_suffix(".c")
-        try:
-            src.write_bytes(source)
-            result = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
-            )
-        finally:
-            src.unlink(missing_ok=True)
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).hexdigest().encode()
+
+
+def _compile(compiler: list[str], source: bytes) -> bytes:
+    """The library built from ``source`` in a fresh private folder, as bytes."""
+    with PrivateFolder.fresh() as build:
+        src, out = build.path / "coding.c", build.path / "coding.so"
+        build.write(src.name, source)
+        result = subprocess.run(
+            [*compiler, *_FLAGS, "-o", str(out), str(src)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+        )
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()[-500:]}")
-    return target
+            raise RuntimeError(
+                f"{shlex.join(compiler)} exited with {result.returncode}: {result.stderr.strip()[-500:]}"
+            )
+        data = build.read(out.name)
+        if not data:
+            raise RuntimeError(f"{shlex.join(compiler)} wrote no library")
+        return data
+
+
+def _load_bytes(data: bytes, path: Path) -> ctypes.CDLL:
+    """Load the library whose bytes are ``data`` (checked): from an anonymous memory file where
+    the platform has one, so that what is loaded is what was checked; else from ``path``, in the
+    private folder that held ``data``. Raises RuntimeError for another version's library."""
+    library = None
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("cerar-coding")
+        try:
+            os.write(fd, data)
+            library = ctypes.CDLL(f"/proc/self/fd/{fd}")
+        except OSError:
+            library = None  # a kernel that refuses to map memory files executable: the checked file
+        finally:
+            os.close(fd)  # the mapping outlives the descriptor
+    if library is None:
+        library = ctypes.CDLL(str(path))
+    version = library.cerar_native_version()
+    if version != _VERSION:
+        raise RuntimeError(f"{path} is version {version}, not {_VERSION}")
+    return library
 
 
 def _load() -> ctypes.CDLL | None:
     """Build (or find) and load the library once per process; None where it cannot be had."""
     global _library, _status
-    if _switched_off():
+    if not enabled():
         return None
     with _lock:
         if _status is not None:
             return _library
-        compiler = _compiler()
-        if compiler is None:
-            _status = "off: no C compiler (cc, gcc or clang) on PATH"
-            return None
         try:
+            compiler = _compiler()
+            if compiler is None:
+                _status = "off: no C compiler (cc, gcc or clang) on PATH"
+                return None
             source = resources.files("cerar.comm").joinpath("csrc", _SOURCE).read_bytes()
-            path = _build(compiler, source)
-            library = ctypes.CDLL(str(path))
-            if library.cerar_native_version() != _VERSION:
-                raise RuntimeError(f"{path} is version {library.cerar_native_version()}, not {_VERSION}")
-            function = library.cerar_fused_decode
-            function.restype = ctypes.c_int
-            function.argtypes = [
-                ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p,
-            ]  # fmt: skip
-            library.cerar_encode.restype = ctypes.c_int
-            library.cerar_encode.argtypes = (
-                [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p]
-            )
-            library.cerar_encode_supports.restype = ctypes.c_int
-            library.cerar_encode_supports.argtypes = [ctypes.c_int64]
-            library.cerar_decode_supports.restype = ctypes.c_int
-            library.cerar_decode_supports.argtypes = [ctypes.c_int64]
-        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+            library, where = _build(compiler, source)
+            _bind(library)
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError, ValueError) as exc:
             _status = f"off: build failed ({exc})"
             return None
-        _library, _status = library, f"on: {path}"
+        _library, _status = library, f"on: {where}"
         return library
+
+
+def _bind(library: ctypes.CDLL) -> None:
+    """Declare the library's functions' signatures (ctypes would guess them wrong)."""
+    function = library.cerar_fused_decode
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p,
+    ]  # fmt: skip
+    library.cerar_encode.restype = ctypes.c_int
+    library.cerar_encode.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p]
+    library.cerar_encode_supports.restype = ctypes.c_int
+    library.cerar_encode_supports.argtypes = [ctypes.c_int64]
+    library.cerar_decode_supports.restype = ctypes.c_int
+    library.cerar_decode_supports.argtypes = [ctypes.c_int64]
 
 
 def warm(device: torch.device, data: torch.dtype) -> None:
@@ -180,7 +215,7 @@ def status() -> str:
     """Whether the compiled coding is in use (``"on: <library>"``) or why not (``"off: ..."``);
     builds it if that was not tried yet."""
     _load()
-    if _switched_off():
+    if not enabled():
         return "off: CERAR_NATIVE=0"
     assert _status is not None
     return _status
