@@ -5,9 +5,10 @@ A schedule wraps one of the training methods of :data:`~cerar.experiments.train.
 
 * ``accum:K[:<method>]``: gradient accumulation over ``K`` micro-batches;
 * ``localsgd:H[:<method>]``: local SGD, the parameters averaged every ``H`` steps after the
-  learning-rate warm-up;
+  learning-rate warm-up (so ``steps`` must exceed ``warmup_steps``);
 * ``diloco:H[:lrX][:<method>]``: DiLoCo, an outer Nesterov step on the averaged pseudo-gradient
-  every ``H`` inner steps (``lrX``: this run's outer learning rate, else ``--outer-lr``).
+  every ``H`` inner steps (``lrX``: this run's outer learning rate, else ``--outer-lr``; ``steps``
+  at least ``H``).
 
 The run itself is :mod:`cerar.experiments.train.periodic`'s. This module loads no torch: the
 config and ``cerar train --help`` use it. A :class:`~cerar.experiments.train.config.TrainConfig`
@@ -62,6 +63,8 @@ class ScheduleSettings(Protocol):
     method: str
     schedule: str | None
     period: int | None
+    steps: int
+    warmup_steps: int
     batch_size: int
     resync_every: int | None
     outer_lr: float
@@ -148,6 +151,18 @@ def check_schedule(config: ScheduleSettings) -> None:
         raise ValueError(
             f"Argument 'resync_every' applies to the DDP hooks, not to {config.schedule}'s averaging "
             f"(give divergence_tol instead), not {config.resync_every!r}."
+        )
+    # A run whose first scheduled average falls after its last step is not the schedule it is
+    # named: localsgd would be DDP's all-reduce throughout, diloco one average after the last step.
+    if config.schedule == "localsgd" and config.steps <= config.warmup_steps:
+        raise ValueError(
+            f"Argument 'steps' must exceed warmup_steps={config.warmup_steps} for localsgd (it averages only after "
+            f"the learning-rate warm-up, DDP all-reducing every gradient until then), not {config.steps}."
+        )
+    if config.schedule == "diloco" and config.steps < period:
+        raise ValueError(
+            f"Argument 'steps' must be at least diloco's H={period} (it averages every H steps; fewer leave only "
+            f"the average after the last step), not {config.steps}."
         )
 
 
