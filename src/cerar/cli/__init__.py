@@ -53,3 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, MissingExtraError) as exc:  # a missing extra's message names it
         print(f"cerar {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    # The commands check their arguments and paths up front (status 2 above); these are what the
+    # machine refused later (a disk filled, a file vanished, memory ran out), not a bug to trace.
+    except OSError as exc:
+        print(f"cerar {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except MemoryError as exc:
+        print(f"cerar {args.command}: error: out of memory: {exc or 'an allocation failed'}", file=sys.stderr)
+        return 1

@@ -12,11 +12,18 @@ import json
 import sys
 from pathlib import Path
 
+from cerar._checks import format_size
+from cerar.cli._paths import output_file, output_folder
 from cerar.experiments._flags import add_flags, given_flags
 from cerar.experiments.bench.config import QUICK_PRESET, BenchConfig
 from cerar.experiments.bench.run import json_safe, run_bench
+from cerar.harness import resources
 
 DEFAULT_OUT = "results/bench"
+#: A rank's working memory per byte of the largest message: the input and its working copy, the
+#: exact float64 sum and its temporaries, the method's packets (measured: 1.1 GB resident per
+#: rank at 64 MiB, N = 2, its fixed part included), rounded up.
+RANK_BYTES_PER_MESSAGE_BYTE = 16
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, then exit")
+    resources.add_override_flag(p)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -59,7 +67,18 @@ def run(args: argparse.Namespace) -> int:
         removed = cleanup_stale()
         print(f"removed {len(removed)} stale namespace(s)" + (f": {', '.join(removed)}" if removed else ""))
         return 0
+    allow = args.allow_oversubscribe
+    # Before the config: building a large N's codes takes seconds, and their refusal names c, not N.
+    resources.check_ranks("world_size", _world_size_given(args), allow=allow)
     config = config_from_args(args)
+    resources.check_ranks("world_size", config.world_size, allow=allow)
+    largest = max(config.sizes_bytes)
+    needed = config.world_size * (resources.RANK_PROCESS_BYTES + RANK_BYTES_PER_MESSAGE_BYTE * largest)
+    what = f"{config.world_size} ranks at {format_size(largest)}"
+    resources.check_memory("sizes", format_size(largest), needed, what, allow=allow)
+    out = output_folder("out", args.out)  # before the runs: an unwritable path should not cost them
+    if args.json:
+        output_file("json", args.json)
     _require_extras(args)  # before the runs: a missing extra should not cost minutes of measuring
     try:
         doc = json_safe(run_bench(config, progress=not args.no_progress))
@@ -70,8 +89,6 @@ def run(args: argparse.Namespace) -> int:
     from cerar.experiments.bench.report import format_table, plot
 
     print(format_table(doc))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     written = [out / "bench.json"]
     text = json.dumps(doc, indent=1)
     written[0].write_text(text)
@@ -84,6 +101,14 @@ def run(args: argparse.Namespace) -> int:
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     failed = [regime for regime, info in doc["regimes"].items() if info.get("error")]
     return 1 if failed else 0
+
+
+def _world_size_given(args: argparse.Namespace) -> int:
+    """The world size the arguments ask for (``--nodes`` x ``--ranks-per-node``, else ``-N``,
+    else the default), before the config checks them."""
+    if args.nodes is not None:
+        return args.nodes * (args.ranks_per_node if args.ranks_per_node is not None else 1)
+    return args.world_size if args.world_size is not None else BenchConfig.world_size
 
 
 def _require_extras(args: argparse.Namespace) -> None:

@@ -12,12 +12,19 @@ from typing import Any
 
 import numpy as np
 
+from cerar._checks import check_int
 from cerar.coding import codes
 from cerar.coding.code import MAX_ERROR, Code
+from cerar.coding.constructions import MAX_COMPONENTS
+from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS
 from cerar.coding.precision import precision_name
+from cerar.harness import resources
 from cerar.protocol.simulate import simulate
 
 CONSTRUCTIONS = tuple(codes.CONSTRUCTIONS)
+#: The simulation's working memory per value of each rank: the inputs, their padded and scaled
+#: copies, the packets and the outputs (measured 61 bytes at N = 8 and 16, d = 1M and 4M).
+SIMULATION_BYTES_PER_VALUE = 64
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,17 +39,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", type=int, default=None, help="values per rank to simulate (default 2048 c)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    resources.add_override_flag(p)
 
 
 def build_code(args: argparse.Namespace) -> Code:
     n_ranks = args.world_size
-    default = n_ranks if args.construction == "exact" else 2 * n_ranks  # exact has c = N only
-    components = args.components if args.components is not None else default
+    components = _components(args)
     # --delta and --eps tune one construction each: given to another, build() names the mistake.
     tuning = {name: value for name, value in (("delta", args.delta), ("eps", args.eps)) if value is not None}
     return codes.build(
         args.construction, n_ranks, components, args.precision, reference=args.reference, max_error=None, **tuning
     )
+
+
+def _components(args: argparse.Namespace) -> int:
+    """``--components``, else the default: ``2N`` (exact: ``N``, the only ``c`` it has)."""
+    if args.components is not None:
+        return int(args.components)
+    return args.world_size if args.construction == "exact" else 2 * args.world_size
 
 
 def describe(code: Code, precision: str, size: int, seed: int) -> dict[str, Any]:
@@ -115,16 +129,44 @@ def format_table(info: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     precision = precision_name(args.precision)
+    if args.size is not None and args.size < 1:
+        raise ValueError(f"Argument 'size' must be at least 1, not {args.size}.")
+    check_int("seed", args.seed, minimum=0)  # numpy's own refusal names no argument
+    _check_default_components(args)
+    _check_memory(args)  # before the build: a large N's code takes a while to build too
     code = build_code(args)
     size = args.size if args.size is not None else 2048 * code.components
-    if size < 1:
-        raise ValueError(f"Argument 'size' must be at least 1, not {size}.")
     info = describe(code, precision, size, args.seed)
     if args.json:
         print(json.dumps(info, indent=2, default=_json_default))
     else:
         print(format_table(info))
     return 0
+
+
+def _check_default_components(args: argparse.Namespace) -> None:
+    """With ``c`` left to its default ``2N``, a too large ``N`` is the argument to name (the
+    construction's own refusal names ``components``, which the command line did not give)."""
+    if args.components is not None or args.construction == "exact":
+        return
+    limit = OPTIMIZED_MAX_COMPONENTS if args.construction == "optimized" else MAX_COMPONENTS
+    if 2 * args.world_size > limit:
+        raise ValueError(
+            f"Argument 'world_size' must be at most {limit // 2} for construction {args.construction!r} with the "
+            f"default c = 2N (at most {limit} components; -c N or less gives an exact code), not {args.world_size}."
+        )
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuse a simulation that cannot fit this machine's memory (``--allow-oversubscribe``: try)."""
+    n_ranks = args.world_size
+    size = args.size if args.size is not None else 2048 * _components(args)  # run's default
+    if n_ranks < 1 or size < 1:
+        return  # build_code and run name the bad value
+    name, value = ("size", args.size) if args.size is not None else ("world_size", n_ranks)
+    needed = SIMULATION_BYTES_PER_VALUE * n_ranks * size
+    what = f"the simulation's {n_ranks} ranks x {size} values"
+    resources.check_memory(name, value, needed, what, allow=args.allow_oversubscribe)
 
 
 def _json_default(value: Any) -> Any:

@@ -6,11 +6,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+from cerar._checks import check_float
 from cerar.coding.code import MAX_ERROR
+from cerar.coding.constructions import MAX_COMPONENTS
+from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS
+from cerar.harness import resources
 from cerar.harness.launch import DEFAULT_RATE
+
+#: The largest described cluster: its CERAR candidates are ``perturbed(N, 2N)``, ``c <= 256``.
+MAX_CLUSTER_RANKS = MAX_COMPONENTS // 2
+#: The largest fitted bench: auto's 16-bit candidates are ``optimized(N, 2N)``, ``c <= 64``.
+MAX_FITTED_RANKS = OPTIMIZED_MAX_COMPONENTS // 2
+#: What each record of a bench JSON needs for the fit, and the types it may have.
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "method": (str,),
+    "components": (int, type(None)),
+    "size_bytes": (int, float),
+    "regime": (str,),
+    "time_median_s": (int, float),
+}
+BENCH_JSON = "a cerar bench JSON file (results/bench/bench.json)"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,27 +55,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          help="coding speed, memory bytes per second: 2000GB/s (benchmarks/gpu_check.py)")  # fmt: skip
     cluster.add_argument("--latency", default=None, help="seconds per round, e.g. 20us (default: the fitted alpha)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the text")
+    resources.add_override_flag(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from cerar.experiments import plan as planning
     from cerar.harness import netem
 
-    if args.max_error is not None and not args.max_error > 0:
-        raise ValueError(f"Argument 'max_error' must be positive, not {args.max_error}.")
+    check_float("max_error", args.max_error, positive=True)  # finite too: auto's candidates refuse inf
     if not 0 <= args.margin < 1:
         raise ValueError(f"Argument 'margin' must be in [0, 1), not {args.margin}.")
     describes = any(v is not None for v in (args.world_size, args.rate, args.coding_rate, args.latency))
     if args.world_size is not None and args.world_size < 2:
         raise ValueError(f"Argument 'world_size' must be at least 2, not {args.world_size}.")
+    if args.world_size is not None and args.world_size > MAX_CLUSTER_RANKS:
+        raise ValueError(
+            f"Argument 'world_size' must be at most {MAX_CLUSTER_RANKS} (a described cluster's CERAR codes have "
+            f"c = 2N, at most {MAX_COMPONENTS} components), not {args.world_size}."
+        )
     rate = netem.rate_bytes_per_s(args.rate) if args.rate is not None else None  # checked before any probe
     coding = planning.parse_coding_rate(args.coding_rate) if args.coding_rate is not None else None
     latency = planning.parse_latency(args.latency) if args.latency is not None else None
     if args.source is not None:
-        doc, source = json.loads(args.source.read_text()), str(args.source)
+        source = str(args.source)
+        doc = check_bench_doc(_read_json(args.source), source)
     else:
         if args.probe_ranks < 2:
             raise ValueError(f"Argument 'probe_ranks' must be at least 2, not {args.probe_ranks}.")
+        resources.check_ranks("probe_ranks", args.probe_ranks, allow=args.allow_oversubscribe)
+        try:
+            netem.check_rate(args.probe_rate)
+        except ValueError:
+            raise ValueError(
+                f"Argument 'probe_rate' must be a tc rate such as '400mbit' or '1gbit', not {args.probe_rate!r}."
+            ) from None
         regime = args.regime or "fast"
         print(f"cerar plan: probing {args.probe_ranks} local ranks ({regime} regime)...", file=sys.stderr)
         doc = planning.probe(args.probe_ranks, regime, args.probe_rate)
@@ -79,6 +111,70 @@ def run(args: argparse.Namespace) -> int:
         text += "\n\n" + planning.format_plan(cluster, table, args.margin, args.max_error)
     print(json.dumps(out, indent=1) if args.json else text)
     return 0
+
+
+def _read_json(path: Path) -> object:
+    from cerar.cli._paths import input_text
+
+    text = input_text("from", path, BENCH_JSON)
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"Argument 'from' must be {BENCH_JSON}, not {str(path)!r} (not JSON: {exc}).") from None
+
+
+def check_bench_doc(doc: object, source: str) -> dict[str, object]:
+    """``doc`` after checking it holds what the fit reads: ``world_size`` (2 to
+    :data:`MAX_FITTED_RANKS`) and ``results``, a list of records with :data:`RECORD_FIELDS`."""
+    where = f"in {source!r}"
+    if not isinstance(doc, dict):
+        raise ValueError(f"Argument 'from' must hold a JSON object (a cerar bench JSON), not {_kind(doc)} {where}.")
+    missing = [key for key in ("results", "world_size") if key not in doc]
+    if missing:
+        raise ValueError(
+            f"Argument 'from' must hold a cerar bench JSON with 'results' and 'world_size', not one lacking "
+            f"{' and '.join(repr(k) for k in missing)} {where}."
+        )
+    n = doc["world_size"]
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_FITTED_RANKS:
+        raise ValueError(
+            f"Argument 'from' must hold a 'world_size' from 2 to {MAX_FITTED_RANKS} (auto's 16-bit candidates are "
+            f"optimized codes of c = 2N, at most {OPTIMIZED_MAX_COMPONENTS}), not {n!r} {where}."
+        )
+    results = doc["results"]
+    if not isinstance(results, list):
+        raise ValueError(f"Argument 'from' must hold 'results' as a list of records, not {_kind(results)} {where}.")
+    for index, record in enumerate(results):
+        bad = _bad_fields(record)
+        if bad:
+            raise ValueError(
+                f"Argument 'from' must hold records with {', '.join(RECORD_FIELDS)} (sizes and times positive), "
+                f"not record {index} with bad or missing {', '.join(bad)} {where}."
+            )
+    return doc
+
+
+def _kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words (``an array``, ``a number``)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}
+    return kinds.get(type(value), "null")
+
+
+def _bad_fields(record: object) -> list[str]:
+    """The fields of :data:`RECORD_FIELDS` that ``record`` lacks or holds a wrong value in."""
+    if not isinstance(record, dict):
+        return list(RECORD_FIELDS)
+    bad = [
+        key
+        for key, types in RECORD_FIELDS.items()
+        if key not in record or isinstance(record[key], bool) or not isinstance(record[key], types)
+    ]
+    for key in ("size_bytes", "time_median_s"):
+        if key not in bad and not (math.isfinite(record[key]) and record[key] > 0):
+            bad.append(key)
+    return bad
 
 
 def _coding_rate_here(plan: object) -> float:

@@ -37,7 +37,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cerar._checks import check_int
+from cerar.cli._paths import output_folder
+from cerar.coding.constructions import MAX_COMPONENTS
+from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS
 from cerar.experiments.study import synthetic as study
+from cerar.harness import resources
+
+#: The trade-off's ``c = multiple x N`` (``--quick``: two of them).
+MULTIPLES = (1.5, 2, 3, 4)
+QUICK_MULTIPLES = (2, 3)
+#: Working memory (bytes) of the slope study per value of ``--size`` (its largest simulation,
+#: ``N = 4``, ``c = 12``, and every input; measured 3.7 KB), and of the trade-off per ``N^2 x size``
+#: (its largest ``c = 4N``; measured 340-420 bytes), rounded up.
+SLOPE_BYTES_PER_SIZE = 4096
+TRADEOFF_BYTES_PER_SIZE = 512
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="steps in [0, steps] to capture (default: 0, steps // 2, steps)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     g.add_argument("--capture", type=Path, default=None, help="reuse this saved capture (.npz): no training")
+    resources.add_override_flag(p)
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -64,6 +79,7 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     from cerar.experiments._extras import require
 
+    check_int("seed", args.seed, minimum=0)  # numpy's own refusal names no argument
     # Before the work: the figures come last, a missing extra should not cost the study's time.
     require("matplotlib", "bench", needed_by="cerar study")
     if getattr(args, "gradients", False):
@@ -72,13 +88,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_gradients(args)
     world_sizes = [4] if args.quick else list(args.world_sizes)
     size = 64 if args.quick else args.size
-    for n in world_sizes:
-        if not isinstance(n, int) or n < 3:
-            raise ValueError(f"Argument 'world_sizes' must hold integers of at least 3, not {n!r}.")
-    if size < 1:
-        raise ValueError(f"Argument 'size' must be at least 1, not {size}.")
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    multiples = QUICK_MULTIPLES if args.quick else MULTIPLES
+    _check_synthetic(world_sizes, size, multiples, args.allow_oversubscribe)
+    out = output_folder("out", args.out)
 
     started = time.perf_counter()
     slopes = study.slope_study(4, size=max(size, 256), seed=args.seed)
@@ -90,7 +102,6 @@ def run(args: argparse.Namespace) -> int:
             f"cond slope {s['cond_slope']:.3f} (theory {s['predicted_cond_slope']:.0f})"
         )
 
-    multiples = (2, 3) if args.quick else (1.5, 2, 3, 4)
     tradeoff = study.tradeoff_study(world_sizes, multiples, ("fp32", "fp64", "fp16", "bf16"), size, args.seed)
     _write(out / "tradeoff.json", tradeoff)
     study.plot_tradeoff(tradeoff, out / "tradeoff.png")
@@ -103,6 +114,29 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     print(f"wrote {out}/slopes.{{png,json}} and {out}/tradeoff.{{png,json}} in {elapsed:.0f} s")
     return 0
+
+
+def _check_synthetic(world_sizes: list[int], size: int, multiples: tuple[float, ...], allow: bool) -> None:
+    """Refuse what the synthetic study cannot build or hold, before it starts: ``N`` below 3,
+    codes beyond the constructions' limits (the optimized design stops at ``c = 64``, the
+    perturbed at 256), a ``--size`` whose simulations exceed the machine's memory."""
+    for n in world_sizes:
+        if not isinstance(n, int) or n < 3:
+            raise ValueError(f"Argument 'world_sizes' must hold integers of at least 3, not {n!r}.")
+    if size < 1:
+        raise ValueError(f"Argument 'size' must be at least 1, not {size}.")
+    largest = max(multiples)
+    limit = min(OPTIMIZED_MAX_COMPONENTS, MAX_COMPONENTS)  # every design is drawn at every N
+    for n in world_sizes:
+        if round(largest * n) > limit:
+            raise ValueError(
+                f"Argument 'world_sizes' must hold integers of at most {int(limit // largest)} (the trade-off "
+                f"builds c = {largest:g}N with the optimized design, which stops at c = {limit}), not {n}."
+            )
+    n = max(world_sizes)
+    needed = max(SLOPE_BYTES_PER_SIZE * max(size, 256), TRADEOFF_BYTES_PER_SIZE * n * n * size)
+    what = f"simulations of N = {n} at {size} values per component"
+    resources.check_memory("size", size, needed, what, allow=allow)
 
 
 def _parameter_layout(capture: Any) -> tuple[Any, str]:
@@ -122,6 +156,26 @@ def _parameter_layout(capture: Any) -> tuple[Any, str]:
     return layout, "model config (rebuilt)"
 
 
+def _check_capture_run(args: argparse.Namespace, model: Any, steps: int) -> None:
+    """Refuse a capture run with bad settings, or that this machine cannot start or hold
+    (``--allow-oversubscribe``: try): its ranks train ``model``, and rank 0 gathers every
+    capture point's ``N`` gradients."""
+    from cerar.experiments.study.capture import check_capture_steps, default_capture_steps
+    from cerar.experiments.train.memory import parameters, rank_bytes
+
+    allow = args.allow_oversubscribe
+    check_int("batch_size", args.batch_size, minimum=1)
+    if args.capture_steps is None:
+        points = len(default_capture_steps(steps))  # checks steps
+    else:
+        points = len(check_capture_steps(args.capture_steps, check_int("steps", steps, minimum=1)))
+    resources.check_ranks("world_size", args.world_size, allow=allow)
+    gathered = 2 * 4 * points * args.world_size * parameters(model)  # float32, and its copy into the file
+    per_rank = resources.RANK_PROCESS_BYTES + rank_bytes(model, args.batch_size)
+    what = f"{args.world_size} ranks on {args.batch_size} sequences each"
+    resources.check_memory("batch_size", args.batch_size, args.world_size * per_rank + gathered, what, allow=allow)
+
+
 def _run_gradients(args: argparse.Namespace) -> int:
     """``--gradients``: capture (or load) real gradients, measure every method, write JSON + PNG."""
     from cerar.experiments.study import capture as gradient_capture
@@ -129,10 +183,10 @@ def _run_gradients(args: argparse.Namespace) -> int:
     from cerar.experiments.train.config import ModelConfig
     from cerar.harness.progress import parse_progress
 
-    out: Path = args.out
     started = time.perf_counter()
     if args.capture is not None:
-        capture = gradient_capture.load_capture(args.capture)
+        capture = gradient_capture.load_capture(args.capture, name="capture")
+        out = output_folder("out", args.out)
         source = str(args.capture)
     else:
         if args.world_size < 3:
@@ -140,7 +194,8 @@ def _run_gradients(args: argparse.Namespace) -> int:
             raise ValueError(f"Argument 'world_size' must be at least 3, not {args.world_size}.")
         steps = 10 if args.quick else args.steps
         model = ModelConfig(layers=1, hidden=32, heads=2, seq_len=32) if args.quick else ModelConfig()
-        out.mkdir(parents=True, exist_ok=True)
+        _check_capture_run(args, model, steps)
+        out = output_folder("out", args.out)
         path = out / "gradients_capture.npz"
 
         def echo(rank: int, stream: str, line: str) -> None:
@@ -155,7 +210,6 @@ def _run_gradients(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, seed=args.seed, on_line=echo,
         )  # fmt: skip
         source = str(path)
-    out.mkdir(parents=True, exist_ok=True)
     datasets = {f"step {s}": capture.gradients[p] for p, s in enumerate(capture.steps)}
     parameters, layout_source = _parameter_layout(capture)
     info = {

@@ -19,6 +19,7 @@ The same worker runs under ``torchrun`` directly (see :mod:`cerar.experiments.tr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -27,11 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cerar.experiments.train.config import TrainConfig, add_config_arguments, config_from_args
+from cerar._checks import check_float
+from cerar.experiments.train.config import ModelConfig, TrainConfig, add_config_arguments, config_from_args
 from cerar.experiments.train.methods import HOOKS
 from cerar.experiments.train.schedules import USAGE
+from cerar.harness import resources
 
 DEFAULT_METHODS = ("allreduce", "cerar:2N", "cerar:3N", "fp16", "powersgd")
+DEFAULT_WORLD_SIZE = 4
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
-        "--world-size", "-N", type=int, default=4, help="ranks (default 4; set by --nodes x --ranks-per-node)"
+        "--world-size",
+        "-N",
+        type=int,
+        default=DEFAULT_WORLD_SIZE,
+        help=f"ranks (default {DEFAULT_WORLD_SIZE}; set by --nodes x --ranks-per-node)",
     )
     p.add_argument(
         "--nodes",
@@ -91,6 +99,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="reuse runs/<label>.json from an earlier run with the same settings, N and regime",
     )
     p.add_argument("--json", action="store_true", help="print the summary JSON instead of the table")
+    resources.add_override_flag(p)
     add_config_arguments(p)
 
 
@@ -137,8 +146,38 @@ def run_label(config: TrainConfig, configs: list[TrainConfig]) -> str:
     return config.bucket_label if sweep else config.label
 
 
+def check_launch(args: argparse.Namespace, configs: list[TrainConfig]) -> None:
+    """What the launches need, checked before the first: the timeout, the network, the ranks
+    this machine can start and hold (``--allow-oversubscribe``: more), the output folder."""
+    from cerar.cli._paths import output_folder
+    from cerar.experiments.train.memory import rank_bytes
+    from cerar.harness import netem
+
+    check_float("timeout_s", args.timeout_s, positive=True)
+    check_float("target_loss", args.target_loss, positive=True, optional=True)
+    netem.check_rate(args.rate)
+    netem.check_delay(args.delay)
+    resources.check_ranks("world_size", args.world_size, allow=args.allow_oversubscribe)
+    largest = max(configs, key=lambda c: rank_bytes(c.model, c.batch_size))
+    needed = args.world_size * (resources.RANK_PROCESS_BYTES + rank_bytes(largest.model, largest.batch_size))
+    model = largest.model
+    what = (
+        f"{args.world_size} ranks of a {model.layers}-layer, hidden {model.hidden} model on {largest.batch_size} x "
+        f"{model.seq_len} tokens"
+    )
+    # The message names the setting that grew the most over its default: the likely culprit.
+    given = {"world_size": args.world_size, "batch_size": largest.batch_size, "layers": model.layers,
+             "hidden": model.hidden, "seq_len": model.seq_len}  # fmt: skip
+    defaults = {"world_size": DEFAULT_WORLD_SIZE, "batch_size": TrainConfig.batch_size}
+    defaults.update(dataclasses.asdict(ModelConfig()))
+    name = max(given, key=lambda key: given[key] / defaults[key])
+    resources.check_memory(name, given[name], needed, what, allow=args.allow_oversubscribe)
+    output_folder("out", args.out)
+
+
 def run(args: argparse.Namespace) -> int:
     configs = plan_runs(args)
+    check_launch(args, configs)
     _require_extras(args)  # before any run: a missing extra should not cost a run's time
     if args.regime == "slow":
         from cerar.harness.netem import unavailable_reason

@@ -130,7 +130,9 @@ def unavailable_reason() -> str | None:
 
 def check_rate(rate: str) -> str:
     """Return ``rate`` after checking it is a ``tc`` rate such as ``"400mbit"``."""
-    if not isinstance(rate, str) or not _RATE_PATTERN.match(rate):
+    match = _RATE_PATTERN.match(rate) if isinstance(rate, str) else None
+    # A zero rate matches the pattern but stops every link (and divides by zero in the models).
+    if match is None or float(rate[: match.start(2)]) <= 0:
         raise ValueError(f"Argument 'rate' must be a tc rate such as '400mbit' or '1gbit', not {rate!r}.")
     return rate
 

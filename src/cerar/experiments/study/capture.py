@@ -37,6 +37,7 @@ import json
 import math
 import os
 import sys
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,32 +264,70 @@ def save_capture(capture: Capture, path: Path | str) -> Path:
     return path
 
 
-def load_capture(path: Path | str) -> Capture:
-    """Read a file written by :func:`save_capture` (ValueError if it is not one)."""
+def load_capture(path: Path | str, *, name: str = "path") -> Capture:
+    """Read a file written by :func:`save_capture`; ``ValueError`` naming the argument ``name``
+    and the file if it is not one (a missing or unreadable file, another archive, a broken one)."""
     path = _check_path(path)
+    where = f"({str(path)!r})"
     if not path.is_file():
-        raise ValueError(f"Argument 'path' must name an existing capture file, not {str(path)!r}.")
-    with np.load(path, allow_pickle=False) as data:
-        missing = {"gradients", "steps", "losses", "config"} - set(data.files)
-        if missing:
-            raise ValueError(f"Argument 'path' is not a gradient capture ({str(path)!r} lacks {sorted(missing)}).")
-        gradients = data["gradients"]
-        steps = tuple(int(s) for s in data["steps"])
-        losses = data["losses"]
-        config = TrainConfig.from_json(str(data["config"]))
-        names = data["parameter_names"] if "parameter_names" in data.files else None
-        sizes = data["parameter_sizes"] if "parameter_sizes" in data.files else None
-    if gradients.ndim != 3 or gradients.shape[0] != len(steps) or gradients.shape[1] < 2:
-        raise ValueError(f"Argument 'path' holds gradients of shape {gradients.shape}, not (P, N >= 2, d).")
+        folder = "the folder " if path.is_dir() else ""
+        raise ValueError(f"Argument '{name}' must name an existing capture file, not {folder}{str(path)!r}.")
+    # np.load takes what is not a zip archive for a pickle and advises allow_pickle: not our case.
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"Argument '{name}' is not a gradient capture: {str(path)!r} is not an .npz archive (as cerar study "
+            "--gradients writes)."
+        )
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = {"gradients", "steps", "losses", "config"} - set(data.files)
+            if missing:
+                raise ValueError(
+                    f"Argument '{name}' is not a gradient capture ({str(path)!r} lacks {sorted(missing)})."
+                )
+            gradients = data["gradients"]
+            steps_array = data["steps"]
+            losses = data["losses"]
+            config_text = str(data["config"])
+            names = data["parameter_names"] if "parameter_names" in data.files else None
+            sizes = data["parameter_sizes"] if "parameter_sizes" in data.files else None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(
+            f"Argument '{name}' is not a gradient capture: {str(path)!r} cannot be read ({exc})."
+        ) from None
+    except ValueError as exc:
+        if str(exc).startswith(f"Argument '{name}'"):
+            raise
+        raise ValueError(f"Argument '{name}' holds an array that is not plain numbers {where}.") from None
+    if gradients.ndim != 3 or gradients.shape[0] != len(steps_array) or gradients.shape[1] < 2:
+        raise ValueError(
+            f"Argument '{name}' holds gradients of shape {gradients.shape} and {len(steps_array)} steps, "
+            f"not (P, N >= 2, d) with P steps {where}."
+        )
+    if not np.issubdtype(gradients.dtype, np.floating) or gradients.shape[2] < 1:
+        raise ValueError(
+            f"Argument '{name}' holds gradients of {gradients.dtype} and d = {gradients.shape[2]}, "
+            f"not floats with d >= 1 {where}."
+        )
+    if losses.shape != gradients.shape[:2] or not np.issubdtype(steps_array.dtype, np.integer):
+        raise ValueError(
+            f"Argument '{name}' holds losses of shape {losses.shape} and steps of {steps_array.dtype}, "
+            f"not {gradients.shape[:2]} and integers {where}."
+        )
+    steps = tuple(int(s) for s in steps_array)
+    try:
+        config = TrainConfig.from_json(config_text)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"Argument '{name}' holds a broken training config {where}: {exc}") from None
     parameters = None
     if names is not None or sizes is not None:  # older files have neither
         if names is None or sizes is None or names.shape != sizes.shape or names.ndim != 1:
-            raise ValueError(f"Argument 'path' holds a broken parameter layout ({str(path)!r}).")
+            raise ValueError(f"Argument '{name}' holds a broken parameter layout {where}.")
         try:
             pairs = [(str(n), int(k)) for n, k in zip(names, sizes, strict=True)]
             parameters = check_parameters(pairs, gradients.shape[2])
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"Argument 'path' holds a broken parameter layout ({str(path)!r}): {exc}") from None
+            raise ValueError(f"Argument '{name}' holds a broken parameter layout {where}: {exc}") from None
     return Capture(steps=steps, gradients=gradients, losses=losses, config=config, parameters=parameters)
 
 
