@@ -10,7 +10,7 @@ the network. For each message size (MB of float32) and a middle rank (the worst 
 * encode: all ``L = c + N - 2`` rounds as the collective computes them: each piece's
   increments ``max(4, c / 2)`` rounds at a time (``encode_rounds``, one ``(B, c) x (c, w)``
   product on the piece's rows), then each round's packet ``received + X f_t`` (one add), 16 pieces per round as
-  the transport cuts a large packet (``cerar.comm.algorithms``);
+  the transport cuts a large packet (``cerar.comm.ring.engine``);
 * decode: the collective's ``fold_slots`` over its groups of observation slots, in float64
   in the ``(c, w)`` layout (the own part ``D X``, in float32, with the first group, then one ``addmm`` per
   group), piece by piece;
@@ -20,7 +20,7 @@ the network. For each message size (MB of float32) and a middle rank (the worst 
 With two or more CUDA devices it then runs the collective itself on CUDA tensors over NCCL, one
 rank per device (NCCL refuses two ranks on one device): ``cerar.all_reduce`` with float32 and
 float16 packets, synchronous and async (the tensor written on the caller's stream just before the
-call, read on it just after ``wait()``: the stream ordering of ``cerar.comm.worker_thread``),
+call, read on it just after ``wait()``: the stream ordering of ``cerar.comm.ring.thread``),
 ``ring_all_reduce``, and DDP steps with ``cerar.ddp.cerar_hook``, each against
 ``torch.distributed.all_reduce``'s sum (:func:`collective_check`; the suite runs the same function
 on Gloo and the CPU).
@@ -42,15 +42,9 @@ import time
 import torch
 
 from cerar import codes
-from cerar.comm.algorithms import (
-    _torch_plan,
-    encode_rounds,
-    fold_slots,
-    own_part,
-    round_batches,
-    rounds_per_product,
-    slot_groups,
-)
+from cerar.comm.kernels.decode import fold_slots, own_part
+from cerar.comm.kernels.encode import encode_rounds
+from cerar.comm.kernels.plans import rank_matrices, round_batches, rounds_per_product, slot_groups
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -123,8 +117,8 @@ def check_size(code, rank: int, size_mb: float, iters: int, device: str = "cuda"
     generator = torch.Generator().manual_seed(m)
     own_cpu = torch.randn(m, c, generator=generator)  # the (m, c) rows of a rank's flat values
     obs_cpu = torch.randn(c, m, generator=generator)
-    plan_gpu = _torch_plan(code, rank, gpu)
-    plan_cpu = _torch_plan(code, rank, torch.device("cpu"))
+    plan_gpu = rank_matrices(code, rank, gpu)
+    plan_cpu = rank_matrices(code, rank, torch.device("cpu"))
     rows_gpu, rows_cpu = plan_gpu.increments.float(), plan_cpu.increments.float()
     own, obs = own_cpu.to(gpu), obs_cpu.to(gpu)
     packets = torch.empty(2, m, device=gpu)

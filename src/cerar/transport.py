@@ -1,9 +1,12 @@
-"""``cerar.transport``: the ring over torch.distributed point-to-point ops and its error.
+"""``cerar.transport``: the ring over torch.distributed point-to-point ops, its error, and the
+scratch memory the runs reuse.
 
-Defined in :mod:`cerar.comm.transport`; this module re-exports its public names. Its
-process-wide switches (``BATCH_ON_CPU``) are set on :mod:`cerar.comm.transport` itself.
+Defined in :mod:`cerar.comm.ring.links` and :mod:`cerar.comm.kernels.workspace`; this module
+re-exports their public names. Its process-wide switch ``BATCH_ON_CPU`` is set on
+:mod:`cerar.comm.ring.links` itself.
 """
 
-from cerar.comm.transport import DATA_TAG, Ring, RingError, Workspace, group_timeout
+from cerar.comm.kernels.workspace import Workspace
+from cerar.comm.ring.links import DATA_TAG, Ring, RingError, group_timeout
 
 __all__ = ["DATA_TAG", "Ring", "RingError", "Workspace", "group_timeout"]

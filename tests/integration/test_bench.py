@@ -580,7 +580,7 @@ def test_coding_limit_script_times_the_compiled_kernels() -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    from cerar.comm import native
+    from cerar.comm.kernels import native
 
     if native.status().startswith("on"):
         kernels = [line for line in result.stdout.splitlines() if line.strip().startswith("0.25 MB:")]

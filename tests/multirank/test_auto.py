@@ -31,7 +31,7 @@ FACTORS = [
 
 def _inject_timings(rank: int) -> None:
     """Replace this rank's measurements by ``FACTORS[rank]`` x the slot's values (failures stay inf)."""
-    from cerar.comm.auto_engine import AutoEngine
+    from cerar.comm.auto.engine import AutoEngine
 
     original = AutoEngine.measured
 
@@ -50,8 +50,8 @@ def _model() -> nn.Module:
 
 
 def _ddp_auto(rank: int, world_size: int, fail_cerar: bool) -> dict[str, Any]:
-    from cerar.comm import auto_ddp
-    from cerar.comm.ddp import AutoConfig, CerarState, cerar_hook
+    from cerar.comm.auto import ddp as auto_ddp
+    from cerar.ddp import AutoConfig, AutoState, auto_hook
 
     _inject_timings(rank)
     if fail_cerar:  # every CERAR candidate fails to start, on every rank
@@ -66,8 +66,8 @@ def _ddp_auto(rank: int, world_size: int, fail_cerar: bool) -> dict[str, Any]:
     # trial is cut by them, nor is a plan handed to a ring by them at the decision (both have
     # their tests in tests/unit/test_auto_model.py).
     config = AutoConfig(trials=2, verify_every=100, prune_tol=None, duel_tol=None)
-    state = CerarState(method="auto", max_error=0.1, auto=config)
-    model.register_comm_hook(state, cerar_hook)  # an AutoState goes to auto_hook
+    state = AutoState(max_error=0.1, auto=config)
+    model.register_comm_hook(state, auto_hook)
     calibration = config.calibration_steps(4)
     steps = calibration + 2
     reasons = set()
@@ -129,7 +129,7 @@ def test_ddp_failed_candidate_falls_back_to_exact() -> None:
 
 def _collective_auto(rank: int, world_size: int, fail_fp16: bool) -> dict[str, Any]:
     import cerar
-    from cerar.comm import auto_collective
+    from cerar.comm.auto import collective as auto_collective
 
     _inject_timings(rank)
     if fail_fp16:
@@ -166,8 +166,8 @@ def test_collective_ranks_choose_alike(fail_fp16: bool) -> None:
 
 def _collective_mismatch(rank: int, world_size: int, async_op: bool) -> dict[str, Any]:
     import cerar
-    from cerar.comm import auto_collective
-    from cerar.comm.handshake import SettingsMismatchError
+    from cerar.comm.auto import collective as auto_collective
+    from cerar.comm.ring.handshake import SettingsMismatchError
 
     calls = [0]
     ring_call = auto_collective.ring_call
@@ -211,7 +211,7 @@ def test_collective_mismatch_is_redone_exactly_and_rules_the_candidate_out(async
 
 def _collective_scales(rank: int, world_size: int) -> dict[str, Any]:
     import cerar
-    from cerar.comm import auto_collective
+    from cerar.comm.auto import collective as auto_collective
 
     _inject_timings(rank)  # 16-bit CERAR the choice, so that it runs after the decision too
     fresh: list[bool] = []  # per 16-bit CERAR call, whether it took a fresh scale
@@ -239,7 +239,7 @@ def test_collective_counted_trial_calls_keep_their_packet_scale() -> None:
     # 16-bit CERAR's calls in the calibration follow other methods' calls (turns); its warm-up
     # call takes a fresh scale from the data, its counted ones the scale of its call before
     # (as a stream of its calls would), and after the decision it runs on without a fresh one.
-    from cerar.comm.auto_collective import COLLECTIVE_CONFIG
+    from cerar.comm.auto.collective import COLLECTIVE_CONFIG
 
     results = check(run_ranks(_collective_scales, 3, timeout=TIMEOUT))
     fresh = results[0]["fresh"]

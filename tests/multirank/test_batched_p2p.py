@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import cerar
 from cerar.coding import codes
-from cerar.comm import transport
+from cerar.comm.ring import links
 from multirank import check, run_ranks
 
 
@@ -36,10 +36,10 @@ def _both_branches_worker(rank: int, world: int) -> tuple[list[bool], str, int, 
         return original(ops)
 
     dist.batch_isend_irecv = counting
-    transport.BATCH_ON_CPU = False
+    links.BATCH_ON_CPU = False
     plain = _calls(rank, world)
     plain_batches = len(batches)
-    transport.BATCH_ON_CPU = True
+    links.BATCH_ON_CPU = True
     try:
         batched = _calls(rank, world)
         try:
@@ -48,7 +48,7 @@ def _both_branches_worker(rank: int, world: int) -> tuple[list[bool], str, int, 
         except cerar.SettingsMismatchError as exc:
             mismatch = type(exc).__name__
     finally:
-        transport.BATCH_ON_CPU = False
+        links.BATCH_ON_CPU = False
         dist.batch_isend_irecv = original
     equal = [bool(torch.equal(a, b)) for a, b in zip(plain, batched, strict=True)]
     return equal, mismatch, plain_batches, len(batches)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import cerar
 from cerar.coding import codes
 from cerar.coding.precision import UNIT_ROUNDOFF
-from cerar.comm.stats import CommStats
+from cerar.comm.ring.stats import CommStats
 from cerar.protocol.schedule import Schedule
 from cerar.protocol.simulate_ring import simulate_ring
 from multirank import RankFailure, check, run_ranks
@@ -182,7 +182,7 @@ def _async_avg_subgroup_worker(rank: int, world: int) -> dict[str, object]:
     result = cerar.all_reduce(z, group=group, code=codes.perturbed(3, 6))
     out["subgroup_return"] = result
     out["subgroup_value"] = float(z.mean())
-    out["stats_calls"] = cerar.comm.collective.get_stats(group).calls
+    out["stats_calls"] = cerar.comm.collective.api.get_stats(group).calls
     return out
 
 
@@ -313,19 +313,20 @@ def test_nonfinite_ignore_spreads_over_exactly_its_column(position: int) -> None
 def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
     import time
 
-    import cerar.comm.transport as transport
+    from cerar.comm.ring import engine
+    from cerar.comm.ring.links import Ring
 
     if rank == 2:
-        original = transport.wait_for
+        original = engine.wait_for
 
-        def faulty(work: dist.Work, ring: transport.Ring, round_index: int) -> None:
+        def faulty(work: dist.Work, ring: Ring, round_index: int) -> None:
             if round_index == 3:  # mid-call, after two rounds
                 if fault == "stuck":
                     time.sleep(12)
                 os._exit(3)
             original(work, ring, round_index)
 
-        transport.wait_for = faulty
+        engine.wait_for = faulty  # the rounds' waits
     x = torch.randn(100_000)
     started = time.monotonic()
     try:
@@ -419,8 +420,8 @@ def _kept_layout_worker(rank: int, world: int) -> dict[str, object]:
     import gc
     import weakref
 
-    from cerar.comm.algorithms import CerarRun
-    from cerar.comm.transport import WORKSPACE
+    from cerar.comm.kernels.cerar_run import CerarRun
+    from cerar.comm.kernels.workspace import WORKSPACE
 
     code = codes.perturbed(world, 2 * world)
     errors, kept = [], []

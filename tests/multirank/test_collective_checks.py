@@ -23,9 +23,9 @@ from torch import nn
 
 import cerar
 from cerar.coding import codes
-from cerar.comm.call_checks import check_op as _check_op
-from cerar.comm.call_checks import overlaps_itself as _overlaps_itself
-from cerar.comm.ddp import CerarState, cerar_hook
+from cerar.comm.collective.checks import check_op as _check_op
+from cerar.comm.collective.checks import overlaps_itself as _overlaps_itself
+from cerar.comm.ddp.hooks import CerarState, cerar_hook
 from multirank import check, run_ranks
 
 pytestmark = pytest.mark.multirank

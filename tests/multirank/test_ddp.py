@@ -20,7 +20,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cerar.coding import codes
-from cerar.comm.ddp import (
+from cerar.comm.ring.stats import CommStats
+from cerar.ddp import (
     DEFAULT_MIN_BUCKET_BYTES,
     HOOKS,
     STATE_DICT_FORMAT,
@@ -34,7 +35,6 @@ from cerar.comm.ddp import (
     resync,
     ring_hook,
 )
-from cerar.comm.stats import CommStats
 from multirank import check, run_ranks
 
 pytestmark = pytest.mark.multirank

@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cerar.coding import codes
 from cerar.coding.code import Code
-from cerar.comm.collective import default_code
-from cerar.comm.ddp import HOOKS, CerarState, cerar_hook, get_hook, ring_hook
+from cerar.comm.collective.api import default_code
+from cerar.ddp import HOOKS, CerarState, cerar_hook, get_hook, ring_hook
 from multirank import check, run_ranks
 
 pytestmark = pytest.mark.multirank

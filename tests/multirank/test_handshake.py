@@ -1,4 +1,4 @@
-"""The per-call handshake (cerar.comm.handshake): no collective of cerar's on the caller's group,
+"""The per-call handshake (cerar.comm.ring.handshake): no collective of cerar's on the caller's group,
 call counts checked, non-finite decisions identical on every rank."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import cerar
 from cerar.coding import codes
-from cerar.comm import handshake
-from cerar.comm.stats import CommStats
-from cerar.comm.transport import Ring
+from cerar.comm.ring import handshake
+from cerar.comm.ring.links import Ring
+from cerar.comm.ring.stats import CommStats
 from multirank import RankFailure, check, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -69,7 +69,7 @@ def test_a_skipped_call_raises_on_every_rank() -> None:
 def _lost_call_worker(rank: int, world: int) -> str:
     """Rank 1's second call fails on its communication thread before its handshake (as when
     copying a non-contiguous input runs out of memory); the others' second call waits for it."""
-    from cerar.comm import calls
+    from cerar.comm.collective import call as calls
 
     code = codes.perturbed(world, 8)
     cerar.all_reduce(torch.ones(100), code=code)
@@ -224,11 +224,12 @@ def test_nonfinite_decision_is_the_same_on_every_rank(c: int) -> None:
 def _maxima_chain_worker(rank: int, world: int, packet: str) -> list[float]:
     """The chain alone, with fewer data rounds than hops: one hop rides in front of a "data
     packet" of ``packet`` dtype, the other N - 2 run in maxima()."""
-    from cerar.comm.transport import Ring, post_pair
+    from cerar.comm.ring.links import Ring, post_pair
+    from cerar.comm.ring.maxima import MaximaChain
 
     dtype = getattr(torch, packet)
     ring = Ring.of(None)
-    chain = handshake.MaximaChain(ring, torch.device("cpu"), dtype)
+    chain = MaximaChain(ring, torch.device("cpu"), dtype)
     chain.set_own_from(torch.tensor([float("nan") if rank in (1, 3) else float(rank + 1), -0.5]))
     send, recv = torch.full((chain.front + 3,), 7.0, dtype=dtype), torch.zeros(chain.front + 3, dtype=dtype)
     assert chain.carries(2, rounds=2) and not chain.carries(1, rounds=2) and not chain.carries(3, rounds=2)
@@ -250,7 +251,7 @@ def test_maxima_chain_gives_every_rank_every_maximum(packet: str) -> None:
 def _handshake_maximum_worker(rank: int, world: int) -> tuple[float, int, int]:
     """Each rank proposes its own max|x| and scale exponent; every rank must agree on the largest."""
     ring = Ring.of(None)
-    agreed = handshake.handshake(ring, 7.0, 1, "settings", max_abs=float(10 + rank), scale_exponent=-rank)
+    agreed = handshake.handshake(ring, 7.0, 1, "settings", handshake.Proposal(float(10 + rank), -rank))
     return agreed.max_abs, agreed.scale_exponent, len(handshake.dissemination_distances(world))
 
 

@@ -15,7 +15,7 @@ from torch import nn
 import cerar
 from cerar.coding import codes
 from cerar.coding.precision import UNIT_ROUNDOFF
-from cerar.comm.stats import CommStats
+from cerar.comm.ring.stats import CommStats
 from cerar.protocol.schedule import Schedule
 from multirank import RankFailure, check, run_ranks
 
@@ -244,19 +244,20 @@ def test_nonfinite_exact_keeps_the_nan_in_place() -> None:
 def _dead_peer_worker(rank: int, world: int, stage: str) -> float:
     import time
 
-    import cerar.comm.transport as transport
+    from cerar.comm.ring import engine
+    from cerar.comm.ring.links import Ring
 
     if rank == 3 and stage == "node":
         dist.reduce_scatter_tensor = lambda *args, **kwargs: os._exit(3)
     if rank == 3 and stage == "cross":
-        original = transport.wait_for
+        original = engine.wait_for
 
-        def faulty(work: dist.Work, ring: transport.Ring, round_index: int) -> None:
+        def faulty(work: dist.Work, ring: Ring, round_index: int) -> None:
             if round_index == 2 and ring.size == 2 and ring.group is None:  # the ring between nodes
                 os._exit(3)
             original(work, ring, round_index)
 
-        transport.wait_for = faulty
+        engine.wait_for = faulty  # the rounds' waits
     x = torch.randn(100_000)
     started = time.monotonic()
     for _ in range(3):
@@ -277,7 +278,7 @@ def test_dead_peer_makes_every_survivor_raise(stage: str) -> None:
 def _ddp_worker(rank: int, world: int) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from cerar.comm.ddp import HierarchicalState, get_hook
+    from cerar.ddp import HierarchicalState, get_hook
 
     torch.manual_seed(0)
     base = nn.Linear(64, 32)

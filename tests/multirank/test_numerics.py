@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import cerar
 from cerar import codes
-from cerar.comm.collective import default_code
+from cerar.comm.collective.api import default_code
 from multirank import check, run_ranks
 
 
@@ -86,14 +86,12 @@ def test_a_rescaled_call_then_ordinary_data() -> None:
 
 def _scale_disagreement_worker(rank: int, world: int) -> tuple[float, bool]:
     """Ranks whose remembered scales differ (one rank restarted, say) still agree on one."""
-    from cerar.comm import calls
+    from cerar.comm.ring.groups import group_state, ring_of
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
     exact = _gather(x).double().sum(0)
     if rank == 2:
-        from cerar.comm.groups import group_state
-
-        ring = calls.ring_of(None)
+        ring = ring_of(None)
         group_state(None).scale_exponents[(ring.send_to, ring.recv_from, x.numel(), "fp32")] = 40
     cerar.all_reduce(x, code=codes.perturbed(world, 2 * world))
     return float((x.double() - exact).norm() / exact.norm()), bool(torch.isfinite(x).all())

@@ -13,7 +13,7 @@ import torch
 
 import cerar
 from cerar.coding import codes
-from cerar.comm.collective import ShutdownError
+from cerar.comm.collective.api import ShutdownError
 from cerar.harness.launch import launch
 from multirank import check, run_ranks
 

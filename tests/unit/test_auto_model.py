@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from cerar.comm.auto_candidates import Candidate, build_candidates, ring_error
-from cerar.comm.auto_engine import AutoConfig, AutoEngine
-from cerar.comm.auto_link import LinkClock
-from cerar.comm.auto_model import decide_slot, fit_cost_model
-from cerar.comm.auto_pins import PinnedTable
+from cerar.comm.auto.candidates import Candidate, build_candidates, ring_error
+from cerar.comm.auto.engine import AutoConfig, AutoEngine
+from cerar.comm.auto.link import LinkClock
+from cerar.comm.auto.model import decide_slot, fit_cost_model
+from cerar.comm.auto.pins import PinnedTable
 
 N = 4
 EXACT = Candidate("exact", "fp32", "torch", N)

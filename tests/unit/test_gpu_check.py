@@ -56,7 +56,7 @@ def test_its_kernels_agree_with_an_independent_float64_reference() -> None:
     module = _load()
     code, rank, m = codes.perturbed(4, 8), 2, 5000
     c = code.components
-    plan = module._torch_plan(code, rank, module.torch.device("cpu"))
+    plan = module.rank_matrices(code, rank, module.torch.device("cpu"))
     generator = module.torch.Generator().manual_seed(0)
     own = module.torch.randn(m, c, generator=generator)
     obs = module.torch.randn(c, m, generator=generator)

@@ -1,12 +1,12 @@
-"""cerar.comm.kernels: each one-pass op bitwise equal to the separate passes it replaces."""
+"""cerar.comm.kernels: each one-pass op of the torch path bitwise equal to the separate passes it replaces."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cerar.comm.algorithms import fold_slots, own_part
-from cerar.comm.kernels import add_rounded, own_part_target, write_transposed
+from cerar.comm.kernels.decode import fold_slots, own_part, own_part_target, write_transposed
+from cerar.comm.kernels.encode import add_rounded
 
 
 def _values(n: int, seed: int) -> torch.Tensor:

@@ -21,7 +21,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cerar._cache", "cerar._checks", "cerar._files", "cerar._version"),
     ("cerar.coding",),
     ("cerar.protocol",),
-    ("cerar.comm",),
+    ("cerar.comm",),  # the package itself: its docstring only
+    ("cerar.comm.ring",),  # who talks to whom: links, the round engine, handshake, maxima, stats, the thread
+    ("cerar.comm.kernels",),  # one rank's runs: CERAR (compiled or torch ops), the exact ring, the packet scale
+    ("cerar.comm.collective",),  # the public calls: argument checks, one call's body, the hierarchical path
+    ("cerar.comm.ddp",),  # DDP: hooks, states, checkpoints, replicas
+    ("cerar.comm.auto",),  # method="auto", above everything it chooses among
     ("cerar.harness",),
     ("cerar.experiments",),
     ("cerar.cli", "cerar.__main__"),
@@ -67,10 +72,14 @@ def _imports(name: str) -> list[tuple[str, int]]:
 
 
 def _layer(name: str) -> int:
-    for index, prefixes in enumerate(LAYERS):
-        if any(name == p or name.startswith(p + ".") for p in prefixes):
-            return index
-    raise AssertionError(f"module {name} belongs to no layer: add its folder to LAYERS")
+    """The layer of the longest prefix that holds ``name`` (``cerar.comm.ring`` before ``cerar.comm``)."""
+    matches = [
+        (len(p), index) for index, prefixes in enumerate(LAYERS) for p in prefixes
+        if name == p or name.startswith(p + ".")
+    ]  # fmt: skip
+    if not matches:
+        raise AssertionError(f"module {name} belongs to no layer: add its folder to LAYERS")
+    return max(matches)[1]
 
 
 def _internal_graph() -> dict[str, set[str]]:
@@ -159,5 +168,14 @@ def test_the_parser_resolves_what_the_checks_rely_on() -> None:
     facade = {target for target, _ in _imports("cerar")}
     assert "cerar.codes" in facade  # ``from cerar import codes``: the submodule
     assert "cerar.coding.code" in facade  # ``from cerar.coding.code import Code``: the module
-    assert any(target.startswith("torch") for target, _ in _imports("cerar.comm.collective"))
-    assert _layer("cerar.coding.code") < _layer("cerar.comm.collective") < _layer("cerar.cli")
+    assert any(target.startswith("torch") for target, _ in _imports("cerar.comm.collective.api"))
+    assert _layer("cerar.coding.code") < _layer("cerar.comm.collective.api") < _layer("cerar.cli")
+    assert _layer("cerar.comm") < _layer("cerar.comm.ring.links") < _layer("cerar.comm.kernels.cerar_run")
+    assert _layer("cerar.comm.ddp.hooks") < _layer("cerar.comm.auto.ddp") < _layer("cerar.harness.launch")
+
+
+def test_every_comm_folder_is_a_layer() -> None:
+    # A new folder under comm/ must say where it sits: it would otherwise fall to cerar.comm's layer.
+    layered = {p for prefixes in LAYERS for p in prefixes}
+    folders = {f"cerar.comm.{p.name}" for p in (PACKAGE / "comm").iterdir() if (p / "__init__.py").exists()}
+    assert folders <= layered, sorted(folders - layered)

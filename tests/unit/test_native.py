@@ -1,4 +1,4 @@
-"""cerar.comm.native: the compiled decode against an independent float64 reference (numpy), and
+"""cerar.comm.kernels.native: the compiled decode against an independent float64 reference (numpy), and
 its build: cached, atomic, and off with a reason where it cannot be had."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cerar.comm import native
+from cerar.comm.kernels import native
 
 _PACKETS = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -212,7 +212,7 @@ def test_ranks_starting_at_once_build_once(fresh: Path, tmp_path: Path) -> None:
     compiler = native._compiler()
     if compiler is None:
         pytest.skip("no C compiler")
-    source = resources.files("cerar.comm").joinpath("csrc", "coding.c").read_bytes()
+    source = resources.files("cerar.comm.kernels").joinpath("csrc", "coding.c").read_bytes()
     log = tmp_path / "builds.txt"
     context = multiprocessing.get_context("fork")
     processes = [context.Process(target=_build_counting, args=(compiler, source, str(log))) for _ in range(3)]
@@ -256,7 +256,8 @@ def _planted(tmp_path: Path) -> tuple[bytes, Path]:
 def _library_name() -> str:
     compiler = native._compiler()
     assert compiler is not None
-    return native._library_name(compiler, resources.files("cerar.comm").joinpath("csrc", "coding.c").read_bytes())
+    source = resources.files("cerar.comm.kernels").joinpath("csrc", "coding.c").read_bytes()
+    return native._library_name(compiler, source)
 
 
 def _new_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -284,7 +285,7 @@ def _damaged(kind: str, genuine: bytes, tmp_path: Path) -> bytes:
     if kind == "random":
         return np.random.default_rng(0).bytes(len(genuine))
     # Another version's library: the real source, built to say another version.
-    source = resources.files("cerar.comm").joinpath("csrc", "coding.c").read_text()
+    source = resources.files("cerar.comm.kernels").joinpath("csrc", "coding.c").read_text()
     other = source.replace(f"{{ return {native._VERSION}; }}", f"{{ return {native._VERSION + 1}; }}")
     assert other != source
     return _compile_c(other, tmp_path)
@@ -414,15 +415,17 @@ def test_switching_it_off_in_a_running_process_takes_effect_at_the_next_call(
 ) -> None:
     """``CERAR_NATIVE=0`` set after a layout has run: that layout's next call runs the torch ops."""
     from cerar.coding import codes
-    from cerar.comm.algorithms import CerarRun
-    from cerar.comm.transport import Ring
+    from cerar.comm.kernels.cerar_run import CerarRun
+    from cerar.comm.kernels.scale import PacketScale
+    from cerar.comm.ring.links import Ring
 
     _decoder(8, seed=0)  # skips where there is no compiler
     ring = Ring(None, 0, 4, 1, 3, (0, 1, 2, 3))
     code, flat = codes.perturbed(4, 8), torch.zeros(8 * 1000)
-    assert CerarRun.for_call(flat, code, ring).decoder is not None
+    scale = PacketScale(ring, code, flat, torch.float32)
+    assert CerarRun.for_call(flat, code, ring, scale, torch.float32).decoder is not None
     monkeypatch.setenv("CERAR_NATIVE", "0")
-    run = CerarRun.for_call(flat, code, ring)
+    run = CerarRun.for_call(flat, code, ring, scale, torch.float32)
     assert run.decoder is None and run.encoder is None
     monkeypatch.delenv("CERAR_NATIVE")
-    assert CerarRun.for_call(flat, code, ring).decoder is not None
+    assert CerarRun.for_call(flat, code, ring, scale, torch.float32).decoder is not None

@@ -68,7 +68,7 @@ def rank_process(timeout_s: float | None = None, threads: int = 1) -> Iterator[R
     import torch
     import torch.distributed as dist
 
-    from cerar.comm.collective import shutdown
+    from cerar.comm.collective.api import shutdown
 
     if timeout_s is not None:
         timeout_s = check_float("timeout_s", timeout_s, positive=True)

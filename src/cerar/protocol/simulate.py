@@ -119,7 +119,7 @@ def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationR
     m = math.ceil(d / c)
     padded = np.zeros((n_ranks, c * m))
     padded[:, :d] = flat
-    # Component k takes every c-th value (see cerar.comm.algorithms): column q holds values qc .. qc+c-1.
+    # Component k takes every c-th value (see cerar.comm.kernels.cerar_run): column q holds values qc .. qc+c-1.
     own = padded.reshape(n_ranks, m, c).transpose(0, 2, 1)
     # The transport's exact power-of-two packet scale at its first call (cerar.coding.scaling).
     schedule = Schedule.for_code(code)

@@ -1,5 +1,5 @@
 """A reference simulator of the exact ring (reduce-scatter + all-gather) with a chosen wire
-precision, step for step as :func:`cerar.comm.algorithms.run_ring` runs it: values held in float32,
+precision, step for step as :func:`cerar.comm.kernels.ring_run.run_ring` runs it: values held in float32,
 chunks rounded to the wire precision when sent, float16 wires scaled by
 :func:`cerar.coding.scaling.ring_scale_exponent`. Pure numpy; used to compare 16-bit rings with CERAR
 on the same inputs."""

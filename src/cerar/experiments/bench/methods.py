@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cerar.coding.code import Code
-    from cerar.comm.stats import CommStats
+    from cerar.comm.ring.stats import CommStats
 
 Call = Callable[[Any, "Code | None", "CommStats | None"], None]
 
@@ -31,7 +31,7 @@ class AllReduceMethod:
             ranks); ``code`` is the method's code (``None`` unless ``coded``); ``stats``, when the
             method has ``transport_stats``, accumulates the call's bytes and encode/decode times.
         coded: the method takes a :class:`cerar.Code` (one series per ``c`` and construction).
-        transport_stats: the method fills a :class:`cerar.comm.stats.CommStats` (bytes measured at
+        transport_stats: the method fills a :class:`cerar.comm.ring.stats.CommStats` (bytes measured at
             the transport); otherwise the byte count reported is the algorithm's theory.
         wire_bytes_per_value: bytes per value on the wire (4 for float32, 2 for a 16-bit wire).
         traffic: values sent per rank per value reduced, as a function of ``(N, c)``.
@@ -40,7 +40,7 @@ class AllReduceMethod:
         packet_precision: the precision the method's codes are designed for (``"fp32"``, or
             ``"fp16"``/``"bf16"`` for CERAR with 16-bit packets).
         hierarchical: exact inside each node, the algorithm only between nodes
-            (:mod:`cerar.comm.hierarchical`): ``traffic`` and ``rounds`` are then functions of the
+            (:mod:`cerar.comm.collective.hierarchical`): ``traffic`` and ``rounds`` are then functions of the
             number of nodes ``M`` (and the code is for ``M``), and each rank sends ``1/G`` of it.
         options: case keys passed to ``call`` as keywords (``auto``: ``max_error``).
         calibrating: ``calibrating(tensor, **options)`` is True while the method still calibrates
@@ -55,7 +55,7 @@ class AllReduceMethod:
     wire_bytes_per_value: float = 4.0
     traffic: Callable[[int, int | None], float] = lambda n, c: 2.0 * (n - 1) / n
     rounds: Callable[[int, int | None], int] = lambda n, c: 2 * (n - 1)
-    requires: str | None = "cerar.comm.collective"
+    requires: str | None = "cerar.comm.collective.api"
     packet_precision: str = "fp32"
     hierarchical: bool = False
     options: tuple[str, ...] = ()
@@ -100,7 +100,7 @@ def _builtin(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
 
 
 def _ring(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    from cerar.comm.collective import ring_all_reduce
+    from cerar.comm.collective.api import ring_all_reduce
 
     ring_all_reduce(tensor, stats=stats)
 
@@ -109,7 +109,7 @@ def _ring_16(wire: str) -> Call:
     def call(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
         import torch
 
-        from cerar.comm.collective import ring_all_reduce
+        from cerar.comm.collective.api import ring_all_reduce
 
         ring_all_reduce(tensor, wire_dtype=getattr(torch, wire), stats=stats)
 
@@ -117,7 +117,7 @@ def _ring_16(wire: str) -> Call:
 
 
 def _cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    from cerar.comm.collective import all_reduce
+    from cerar.comm.collective.api import all_reduce
 
     all_reduce(tensor, code=code, stats=stats)
 
@@ -126,7 +126,7 @@ def _cerar_16(packet: str) -> Call:
     def call(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
         import torch
 
-        from cerar.comm.collective import all_reduce
+        from cerar.comm.collective.api import all_reduce
 
         all_reduce(tensor, code=code, packet_dtype=getattr(torch, packet), stats=stats)
 
@@ -134,14 +134,14 @@ def _cerar_16(packet: str) -> Call:
 
 
 def _auto(tensor: Any, code: Code | None, stats: CommStats | None, max_error: float | None = None) -> None:
-    from cerar.comm.collective import all_reduce
+    from cerar.comm.collective.api import all_reduce
 
     all_reduce(tensor, method="auto", max_error=max_error, stats=stats)
 
 
 def _auto_calibrating(tensor: Any, max_error: float | None = None) -> bool:
     """Whether ``method="auto"`` has not yet decided for this tensor's size and budget."""
-    from cerar.comm.auto_collective import auto_status
+    from cerar.comm.auto.collective import auto_status
 
     for stream in auto_status():
         if stream["numel"] == tensor.numel() and stream["max_error"] == max_error:
@@ -158,13 +158,13 @@ def _ranks_per_node() -> int | None:
 
 
 def _hier_ring(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    from cerar.comm.hierarchical import hierarchical_ring_all_reduce
+    from cerar.comm.collective.hierarchical import hierarchical_ring_all_reduce
 
     hierarchical_ring_all_reduce(tensor, ranks_per_node=_ranks_per_node(), stats=stats)
 
 
 def _hier_cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    from cerar.comm.hierarchical import hierarchical_all_reduce
+    from cerar.comm.collective.hierarchical import hierarchical_all_reduce
 
     hierarchical_all_reduce(tensor, ranks_per_node=_ranks_per_node(), code=code, stats=stats)
 
@@ -242,7 +242,7 @@ ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = {
             "hier-ring",
             "exact reduce-scatter in each node, cerar's exact ring between nodes, all-gather in each node",
             _hier_ring,
-            requires="cerar.comm.hierarchical",
+            requires="cerar.comm.collective.hierarchical",
             hierarchical=True,
         ),
         AllReduceMethod(
@@ -252,7 +252,7 @@ ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = {
             coded=True,
             traffic=_cerar_traffic,
             rounds=_cerar_rounds,
-            requires="cerar.comm.hierarchical",
+            requires="cerar.comm.collective.hierarchical",
             hierarchical=True,
         ),
     )

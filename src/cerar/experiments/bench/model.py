@@ -1,5 +1,5 @@
-"""``method="auto"``'s cost model (:mod:`cerar.comm.auto_model`) fitted to a bench run: each flat
-method is one :class:`cerar.comm.auto_candidates.Candidate`, every regime one fit, and every
+"""``method="auto"``'s cost model (:mod:`cerar.comm.auto.model`) fitted to a bench run: each flat
+method is one :class:`cerar.comm.auto.candidates.Candidate`, every regime one fit, and every
 record gets its prediction beside its measurement (the validation of the model)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from cerar.comm.auto_candidates import Candidate
-from cerar.comm.auto_model import CostModel, fit_cost_model
+from cerar.comm.auto.candidates import Candidate
+from cerar.comm.auto.model import CostModel, fit_cost_model
 
 __all__ = ["AUTO_LABELS", "add_predictions", "candidate_of", "fit_regime"]
 

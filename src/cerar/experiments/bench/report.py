@@ -88,7 +88,7 @@ def format_table(doc: dict[str, Any]) -> str:
         )
     coding = doc.get("versions", {}).get("cpu_coding")
     if coding:
-        lines.append(f"CPU coding (cerar.comm.native): {coding}")
+        lines.append(f"CPU coding (cerar.comm.kernels.native): {coding}")
     for note in doc.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

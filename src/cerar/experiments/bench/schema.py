@@ -201,7 +201,7 @@ def versions() -> dict[str, Any]:
     import numpy
     import torch
 
-    from cerar.comm import native
+    from cerar.comm.kernels import native
 
     return {
         "cerar": __version__,

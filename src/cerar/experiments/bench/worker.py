@@ -121,7 +121,7 @@ class CaseRun:
         """Iteration ``it`` (warm-up first): one call from a barrier, timed on this rank."""
         import torch.distributed as dist
 
-        from cerar.comm.stats import CommStats
+        from cerar.comm.ring.stats import CommStats
 
         per_node, rank = int(self.config.get("ranks_per_node", 1)), dist.get_rank()
         buf.copy_(x)
@@ -223,7 +223,7 @@ def run_size(
 
 def _auto_choice(x: Any, calibration: int) -> dict[str, Any] | None:
     """What ``method="auto"`` chose for this size: the choice, the candidates, the calibration."""
-    from cerar.comm.auto_collective import auto_status
+    from cerar.comm.auto.collective import auto_status
 
     for stream in auto_status():
         if stream["numel"] == x.numel() and stream["choice"] is not None:

@@ -15,7 +15,7 @@ method          average of ``x`` (in place)                                   by
 ``allreduce``, ``fp16``, ``bf16`` and ``ring`` leave every rank with the same values; CERAR's
 ranks decode slightly different ones (within the code's error of the mean). Computed bytes use
 the ring formula of :func:`cerar.experiments.train.methods.ring_bytes`; measured ones are
-:class:`cerar.comm.stats.CommStats`'. Calls come from the training loop's thread after the
+:class:`cerar.comm.ring.stats.CommStats`'. Calls come from the training loop's thread after the
 optimizer step, with no DDP bucket in flight, so they run on the default group.
 """
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cerar.comm.stats import CommStats
-from cerar.experiments.train.methods import HookSettings, cerar_code, ring_bytes
+from cerar.comm.ring.stats import CommStats
+from cerar.experiments.train.installed import HookSettings, cerar_code, ring_bytes
 
 __all__ = ["FlatAverager"]
 
@@ -40,7 +40,7 @@ class FlatAverager:
         method: ``allreduce``, ``fp16``, ``bf16``, ``ring`` or ``cerar``.
         identical: every rank ends a call with the same values (all but ``cerar``).
         measured: the bytes are the transport's (``ring``, ``cerar``), not the ring formula's.
-        stats: ``ring``/``cerar``'s :class:`~cerar.comm.stats.CommStats` (bytes, coding time,
+        stats: ``ring``/``cerar``'s :class:`~cerar.comm.ring.stats.CommStats` (bytes, coding time,
             fallbacks, rescales), summed over the calls.
         bytes_computed: the ring formula's bytes of the Gloo collectives (the averages of
             ``allreduce``/``fp16``/``bf16`` and every method's one-value finiteness vote).
@@ -88,7 +88,7 @@ class FlatAverager:
         """Replace ``flat`` (1-D float32, the same size on every rank) by its mean over the ranks.
 
         A collective: every rank calls it with the same size."""
-        from cerar.comm.collective import all_reduce, ring_all_reduce
+        from cerar.comm.collective.api import all_reduce, ring_all_reduce
 
         self.calls += 1
         n = self.world_size

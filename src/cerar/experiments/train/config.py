@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from cerar._checks import check_choice, check_float, check_int
-from cerar.comm.policies import NONFINITE_POLICIES
+from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.experiments._flags import add_flags, flag, flag_group, from_flags
 from cerar.experiments.train.methods import HOOKS
 from cerar.experiments.train.schedules import (
@@ -128,7 +128,7 @@ class TrainConfig:
         outer_lr, outer_momentum: ``diloco``'s outer SGD (Nesterov).
         seed: initial weights and data order.
         nonfinite, resync_every, divergence_tol: ``cerar``/``ring``: see
-            :class:`cerar.comm.ddp.CerarState`.
+            :class:`cerar.comm.ddp.hooks.CerarState`.
         min_bucket_mb: ``cerar``/``ring``: ``CerarState(min_bucket_bytes=...)`` in MiB (DDP's
             MB). Default 0, every bucket through the method's own ring, so that the grid
             measures the method as named; the hook's own default (2 MiB, the crossover below

@@ -4,7 +4,7 @@ Per step it records the local loss, the phases' durations (forward; backward's c
 exposed communication from the :class:`~cerar.experiments.train.timeline.Timeline`; the rest of
 ``backward()``; optimizer, re-sync included), the bytes this rank sent and the hook's
 encode/decode time. Every ``eval_every`` steps (and after the last) it measures the validation
-loss and :func:`cerar.comm.ddp.replica_divergence`; evaluation time is kept out of training time.
+loss and :func:`cerar.comm.ddp.hooks.replica_divergence`; evaluation time is kept out of training time.
 
 With ``accum:K`` a step runs ``K`` micro-batches, the first ``K - 1`` (forward and backward, under
 ``model.no_sync()``) counted in "forward"; ``localsgd``/``diloco`` average after the optimizer
@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from cerar.comm.ddp import replica_divergence
+from cerar.comm.ddp.hooks import replica_divergence
 from cerar.experiments.train.config import TrainConfig
 from cerar.experiments.train.data import Split, load_split, train_batch, validation_batch
-from cerar.experiments.train.methods import InstalledHook, install
+from cerar.experiments.train.installed import InstalledHook
+from cerar.experiments.train.methods import install
 from cerar.experiments.train.model import build_model, lm_loss, parameter_groups
 from cerar.experiments.train.periodic import install_schedule
 from cerar.experiments.train.timeline import Timeline

@@ -12,11 +12,11 @@ method         hook                                                        bytes
                warm start, exact all-reduce for the first
                :data:`POWERSGD_START` steps; one bucket at a time on
                one thread (see :class:`_SerialHook`)
-``ring``       :func:`cerar.comm.ddp.ring_hook` (exact ring, cerar transport)    measured
-``cerar``      :func:`cerar.comm.ddp.cerar_hook` with ``perturbed(N, c)``        measured
+``ring``       :func:`cerar.comm.ddp.hooks.ring_hook` (exact ring, cerar transport)    measured
+``cerar``      :func:`cerar.comm.ddp.hooks.cerar_hook` with ``perturbed(N, c)``        measured
                (``cerar:c:fp16``/``:bf16``: 16-bit packets, ``optimized(N, c)``
                designed for that precision)
-``auto``       :func:`cerar.comm.ddp.auto_hook`: each bucket by the fastest  measured (CERAR),
+``auto``       :func:`cerar.comm.ddp.hooks.auto_hook`: each bucket by the fastest  measured (CERAR),
                of exact, fp16, CERAR float32 and 16-bit within the budget   computed (torch's)
                (``auto:1e-3``: ``max_error``), decided from measured steps
 =============  ==========================================================  ==================
@@ -52,7 +52,7 @@ schedule               what runs                                           bytes
 ``localsgd`` and ``diloco`` average through ``allreduce``, ``fp16``, ``bf16``, ``ring`` or
 ``cerar[:c][:fp16|:bf16]``, once over the whole model (``accum`` takes any method above).
 
-"Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.stats.CommStats`);
+"Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.ring.stats.CommStats`);
 buckets that ``ring``/``cerar``'s bucket policy (``min_bucket_mb``) sends to Gloo's all-reduce
 add their computed bytes.
 Gloo's built-in collectives cannot be observed at that level, so their bytes are **computed**
@@ -68,112 +68,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cerar.experiments.train.installed import Build, Count, HookSettings, InstalledHook, cerar_code, ring_bytes
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
     from cerar.experiments.train.timeline import Timeline
 
-__all__ = [
-    "COUNTERS", "HOOKS", "POWERSGD_START", "Hook", "HookSettings", "InstalledHook", "cerar_code", "install",
-    "ring_bytes",
-]  # fmt: skip
+__all__ = ["HOOKS", "POWERSGD_START", "Hook", "install"]
 
 POWERSGD_START = 10  # PowerSGD's exact warm-up steps (torch's default, 1000, is for long runs)
-#: What :meth:`InstalledHook.counters` returns, in order.
-COUNTERS = (
-    "bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s", "fallbacks", "nonfinite_events",
-    "resyncs", "resync_s", "exact_buckets", "rescales", "syncs", "sync_s",
-)  # fmt: skip
-
-
-class HookSettings(Protocol):
-    """What a hook reads of a :class:`~cerar.experiments.train.config.TrainConfig` (a protocol,
-    not the class: the config imports this module)."""
-
-    method: str
-    components: int | None
-    packet: str | None
-    powersgd_rank: int
-    seed: int
-    nonfinite: str
-    resync_every: int | None
-    divergence_tol: float | None
-    min_bucket_mb: float
-    max_error: float | None
-
-
-@dataclass
-class InstalledHook:
-    """A hook installed on one DDP model: cumulative counters and the per-step duty.
-
-    ``syncs`` counts the steps whose gradients were averaged (every step, for a DDP hook);
-    ``micro_batches`` is how many backward passes a step takes (``accum:K``: ``K``).
-    """
-
-    name: str
-    measured_bytes: bool
-    description: str
-    state: Any = None
-    bytes_computed: int = 0
-    collectives: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-    syncs: int = 0
-    micro_batches: int = 1
-
-    def counters(self) -> dict[str, float]:
-        """Cumulative figures of this rank: bytes sent, collectives, encode/decode seconds,
-        fallbacks, non-finite events, resyncs."""
-        from cerar.comm.ddp import CerarState
-
-        if isinstance(self.state, CerarState):
-            stats = self.state.stats
-            computed = self.bytes_computed + getattr(self.state, "torch_bytes", 0)  # auto's torch buckets
-            return {
-                "bytes_sent": float(stats.bytes_sent + computed),  # + exact buckets' computed
-                "collectives": float(self.collectives),
-                "encode_s": stats.encode_s,
-                "decode_s": stats.decode_s,
-                "collective_wall_s": stats.wall_s,
-                "fallbacks": float(stats.fallbacks),
-                "nonfinite_events": float(stats.nonfinite_events),
-                "resyncs": float(self.state.resyncs),
-                "resync_s": self.state.resync_s,
-                "exact_buckets": float(self.state.exact_buckets),
-                "rescales": float(stats.rescales),
-                "syncs": float(self.syncs),
-                "sync_s": 0.0,  # a hook's communication is inside backward (the timeline's)
-            }
-        # Gloo's own collectives: only the computed bytes and the count are known.
-        figures = dict.fromkeys(COUNTERS, 0.0)
-        figures.update(
-            bytes_sent=float(self.bytes_computed), collectives=float(self.collectives), syncs=float(self.syncs)
-        )
-        return figures
-
-    def wrap_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer the loop steps (a schedule may wrap the AdamW; a DDP hook leaves it)."""
-        return optimizer
-
-    def after_step(self, model: nn.Module) -> bool:
-        """Run after every optimizer step on every rank: CERAR's scheduled or threshold re-sync."""
-        from cerar.comm.ddp import CerarState
-
-        self.syncs += 1
-        if isinstance(self.state, CerarState):
-            return self.state.maybe_resync(model)
-        return False
-
-
-#: ``bucket -> None``, called right before each bucket's hook (the byte accounting).
-Count = Callable[[Any], None]
-#: ``(settings, N) -> (installed, hook, hook state, count)``.
-Build = Callable[[HookSettings, int], tuple[InstalledHook, Any, Any, Count]]
 
 
 @dataclass(frozen=True)
@@ -212,27 +121,12 @@ def install(config: HookSettings, model: DistributedDataParallel, timeline: Time
     return installed
 
 
-def ring_bytes(world_size: int, elements: int, element_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``elements`` values: ``2(N-1)/N`` of them."""
-    return round(2 * (world_size - 1) / world_size * elements * element_size)
-
-
-def cerar_code(world_size: int, components: int, precision: str) -> Any:
-    """``cerar``'s code: ``perturbed(N, c)`` for float32 packets, ``optimized(N, c)`` designed
-    for the precision of 16-bit ones (``precision``: ``"fp32"``, ``"fp16"`` or ``"bf16"``)."""
-    from cerar.coding import codes
-
-    if precision == "fp32":
-        return codes.perturbed(world_size, components)
-    return codes.optimized(world_size, components, precision)
-
-
 def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
     """``cerar`` (``perturbed(N, c)`` for float32 packets, ``optimized(N, c)`` designed for the
     precision of 16-bit ones) or ``ring`` (the exact ring on the same transport)."""
     import torch
 
-    from cerar.comm.ddp import CerarState, cerar_hook, ring_hook
+    from cerar.comm.ddp.hooks import CerarState, cerar_hook, ring_hook
 
     coded = config.method == "cerar"
     components = config.components if config.components is not None else 2 * world_size
@@ -272,10 +166,10 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
 
 
 def _build_auto(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
-    """``auto``: :class:`cerar.comm.ddp.AutoState` with the budget ``max_error`` (default the
+    """``auto``: :class:`cerar.comm.ddp.hooks.AutoState` with the budget ``max_error`` (default the
     library's, 0.1); the decisions and the last step's buckets go to the run's ``method_info``."""
     from cerar.coding.code import MAX_ERROR
-    from cerar.comm.ddp import AutoState, auto_hook
+    from cerar.comm.auto.ddp import AutoState, auto_hook
 
     budget = MAX_ERROR if config.max_error is None else config.max_error
     installed = InstalledHook("auto", True, f"auto_hook (max_error {budget:g})")
@@ -305,11 +199,11 @@ def _build_auto(config: HookSettings, world_size: int) -> tuple[InstalledHook, A
 
 def _build_hierarchical(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
     """``hier-cerar`` (``perturbed(M, c)`` between the ``M`` nodes) or ``hier-ring`` (the exact
-    ring between nodes), exact inside each node (:mod:`cerar.comm.hierarchical`)."""
+    ring between nodes), exact inside each node (:mod:`cerar.comm.collective.hierarchical`)."""
     import os
 
     from cerar.coding import codes
-    from cerar.comm.ddp import HierarchicalState, hier_cerar_hook, hier_ring_hook
+    from cerar.comm.ddp.hooks import HierarchicalState, hier_cerar_hook, hier_ring_hook
 
     coded = config.method == "hier-cerar"
     text = os.environ.get("CERAR_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"

@@ -30,7 +30,7 @@ After each average: every rank votes on the averaged values being finite (one ex
 all-reduce); if some rank's are not (a NaN that CERAR's ``nonfinite="exact"`` sent through the exact
 ring, an fp16 overflow), every rank returns to ``anchor`` and the outer state is kept, so the
 replicas stay together and one bad round costs its ``H`` local steps. Then
-:func:`cerar.comm.ddp.replica_divergence` is measured (a collective; CERAR's ranks decode
+:func:`cerar.comm.ddp.hooks.replica_divergence` is measured (a collective; CERAR's ranks decode
 slightly different averages) and logged per sync (``hook.extra["syncs"]``); with
 ``divergence_tol``, a divergence above it re-syncs rank 0's parameters and outer state. The
 measurement (an all-gather of a 1025-value sketch) is in the step's time, not in ``sync_s``.
@@ -54,9 +54,10 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from cerar.comm.ddp import replica_divergence, resync
+from cerar.comm.ddp.hooks import replica_divergence, resync
 from cerar.experiments.train.averaging import FlatAverager
-from cerar.experiments.train.methods import InstalledHook, install, ring_bytes
+from cerar.experiments.train.installed import InstalledHook, ring_bytes
+from cerar.experiments.train.methods import install
 from cerar.experiments.train.timeline import TimedState, Timeline, timed_hook
 
 __all__ = ["PeriodicHook", "PeriodicSync", "install_schedule"]

@@ -4,13 +4,13 @@ Both are in place, take any shape and contiguity (but no view whose elements sha
 ``expand()`` makes) and tensors that require grad (written as ``dist.all_reduce`` writes them,
 unseen by autograd), and return None, or with ``async_op=True`` a :class:`CerarWork` handle.
 All of a process's cerar calls run in order on one communication thread
-(:mod:`cerar.comm.worker_thread`), so async and sync calls interleave exactly as issued on
+(:mod:`cerar.comm.ring.thread`), so async and sync calls interleave exactly as issued on
 every rank; :func:`shutdown` stops it (also at interpreter exit). They must come from one
 Python thread at a time: a call from a second thread while the first one's calls are in
 flight raises ``RuntimeError``.
 
 Every call starts with a handshake over the ring's own point-to-point links
-(:mod:`cerar.comm.handshake`; no collective, so none can pair with the program's own collectives
+(:mod:`cerar.comm.ring.handshake`; no collective, so none can pair with the program's own collectives
 on the group) that
 
 * checks that every rank runs the same call: the same code (N, c, construction, parameters,
@@ -31,6 +31,7 @@ timeout (``init_process_group(timeout=...)``) on every surviving rank.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ import torch.distributed as dist
 from cerar._checks import check_choice, check_float
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import precision_name
-from cerar.comm.call_checks import (
+from cerar.comm.collective.call import NonFiniteError, cerar_call, ring_call
+from cerar.comm.collective.checks import (
     check_bool,
     check_coded_call,
     check_op,
@@ -47,22 +49,13 @@ from cerar.comm.call_checks import (
     check_stats,
     check_tensor,
 )
-from cerar.comm.calls import (
-    NonFiniteError,
-    cerar_call,
-    check_usable,
-    default_code,
-    resolve_code,
-    ring_call,
-    ring_of,
-    working_dtype,
-)
-from cerar.comm.groups import group_state
-from cerar.comm.handshake import SettingsMismatchError
-from cerar.comm.policies import NONFINITE_POLICIES
-from cerar.comm.stats import CommStats
-from cerar.comm.transport import WORKSPACE
-from cerar.comm.worker_thread import COMM, DEFAULT_SHUTDOWN_TIMEOUT_S, CerarWork, ShutdownError
+from cerar.comm.collective.codes import check_usable, default_code, resolve_code, working_dtype
+from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.kernels.workspace import WORKSPACE
+from cerar.comm.ring.groups import group_state, ring_of
+from cerar.comm.ring.handshake import SettingsMismatchError
+from cerar.comm.ring.stats import CommStats
+from cerar.comm.ring.thread import COMM, DEFAULT_SHUTDOWN_TIMEOUT_S, CerarWork, ShutdownError
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -78,6 +71,17 @@ __all__ = [
     "ring_all_reduce",
     "shutdown",
 ]
+
+
+#: The methods :func:`all_reduce` routes to besides ``"cerar"``, each registered by the layer that
+#: defines it when it loads (:mod:`cerar.comm.auto.collective` registers ``"auto"``; ``import
+#: cerar`` loads it): ``route(tensor, op, group, async_op, *, max_error, nonfinite, stats)``.
+METHODS: dict[str, Callable[..., Any]] = {}
+
+
+def register_method(name: str, route: Callable[..., Any]) -> None:
+    """Route ``all_reduce(..., method=name)`` to ``route`` (see :data:`METHODS`)."""
+    METHODS[name] = route
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,13 +131,13 @@ def all_reduce(
             this (default 0.1) is refused with a ValueError naming ``N``, ``c`` and the error (a
             code tuned for float32 would return noise with bfloat16 packets, say); ``None``
             uses it anyway.
-        stats: a :class:`cerar.comm.stats.CommStats` that this call's figures are added to.
+        stats: a :class:`cerar.comm.ring.stats.CommStats` that this call's figures are added to.
         method: ``"cerar"`` (this call, returning None or a :class:`CerarWork`), or ``"auto"``:
             the calls of this size go by the fastest method whose predicted worst-rank error is
             within ``max_error`` (the exact all-reduce, the float16 ring, CERAR in float32 or
             16 bits), decided from their measured times, the same on every rank
-            (:mod:`cerar.comm.auto_collective`; ``code``, ``packet_dtype`` and ``fresh_scale``
-            left at their defaults).
+            (:mod:`cerar.comm.auto.collective`, registered in :data:`METHODS`; ``code``,
+            ``packet_dtype`` and ``fresh_scale`` left at their defaults).
         fresh_scale: take the packet scale from this call's data (every rank's largest
             magnitude, carried by the handshake before the first round, as at the first call of
             a size) instead of from the previous call of this size. For 16-bit packets in a
@@ -148,15 +152,13 @@ def all_reduce(
     call's of its size) is redone at one that fits, the same on every rank (``stats.rescales``).
     """
     if method != "cerar":
-        check_choice("method", method, ("cerar", "auto"))
+        route = METHODS[check_choice("method", method, ("cerar", *METHODS))]
         if code is not None or packet_dtype is not None or fresh_scale is not False:
             raise ValueError(
-                "Arguments 'code', 'packet_dtype' and 'fresh_scale' must be left at their defaults with "
-                f"method='auto' (it chooses them), not {code!r}, {packet_dtype!r}, {fresh_scale!r}."
+                f"Arguments 'code', 'packet_dtype' and 'fresh_scale' must be left at their defaults with "
+                f"method={method!r} (it chooses them), not {code!r}, {packet_dtype!r}, {fresh_scale!r}."
             )
-        from cerar.comm.auto_collective import auto_all_reduce
-
-        return auto_all_reduce(tensor, op, group, async_op, max_error=max_error, nonfinite=nonfinite, stats=stats)
+        return route(tensor, op, group, async_op, max_error=max_error, nonfinite=nonfinite, stats=stats)
     reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(
         tensor, op, async_op, nonfinite, packet_dtype, code, stats
     )

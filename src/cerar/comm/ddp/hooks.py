@@ -33,38 +33,29 @@ same point-to-point ops, ``2(N-1)/N`` values sent per value instead of CERAR's `
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the hooks'
 # annotations and accepts only the real ``dist.GradBucket`` / ``Future[Tensor]`` objects.
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_choice
-from cerar.comm.auto_ddp import AutoState, AutoStep, auto_hook
-from cerar.comm.auto_engine import AutoConfig
-from cerar.comm.auto_pins import PinnedTable
-from cerar.comm.ddp_checkpoint import STATE_DICT_FORMAT
-from cerar.comm.ddp_hierarchical import HierarchicalState
-from cerar.comm.ddp_state import DEFAULT_MIN_BUCKET_BYTES, CerarState
-from cerar.comm.policies import NONFINITE_POLICIES
-from cerar.comm.replicas import SKETCH_SIZE, replica_divergence, resync
-from cerar.comm.stats import CommStats
+from cerar.comm.collective.api import all_reduce, ring_all_reduce
+from cerar.comm.collective.hierarchical import hierarchical_all_reduce, hierarchical_ring_all_reduce
+from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.ddp.checkpoint import STATE_DICT_FORMAT
+from cerar.comm.ddp.hierarchical import HierarchicalState
+from cerar.comm.ddp.replicas import SKETCH_SIZE, replica_divergence, resync
+from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES, CerarState
+from cerar.comm.ring.exact import exact_all_reduce
+from cerar.comm.ring.stats import CommStats
 
 __all__ = [
     "DEFAULT_MIN_BUCKET_BYTES",
-    "HOOKS",
     "NONFINITE_POLICIES",
     "SKETCH_SIZE",
     "STATE_DICT_FORMAT",
-    "AutoConfig",
-    "AutoState",
-    "AutoStep",
     "CerarState",
     "HierarchicalState",
-    "PinnedTable",
-    "auto_hook",
     "cerar_hook",
-    "get_hook",
     "hier_cerar_hook",
     "hier_ring_hook",
     "replica_divergence",
@@ -81,13 +72,8 @@ def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futu
     through the exact ring under ``nonfinite="exact"`` (the default) instead of failing; a sparse
     bucket, one below ``state.min_bucket_bytes`` and every bucket of the first
     ``state.start_iter`` passes are averaged by ``torch.distributed.all_reduce``, as DDP's
-    default does. An :class:`AutoState` (``CerarState(method="auto")``) goes to :func:`auto_hook`.
+    default does.
     """
-    from cerar.comm.collective import all_reduce
-
-    if isinstance(state, AutoState):
-        return auto_hook(state, bucket)
-
     return _launch(
         state,
         bucket,
@@ -104,8 +90,6 @@ def ring_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futur
     default, leaves non-finite values where they are). The bucket policy (``min_bucket_bytes``,
     ``start_iter``) applies as in :func:`cerar_hook`.
     """
-    from cerar.comm.collective import ring_all_reduce
-
     return _launch(
         state,
         bucket,
@@ -131,11 +115,11 @@ def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool)
     try:
         if sparse:
             state.sparse_buckets += 1
-            future = _exact_average(state.process_group, buffer)
+            future = exact_all_reduce(buffer, state.process_group, average=True, async_op=True)
         elif exact:
             state.exact_buckets += 1
             state.exact_bytes += buffer.numel() * buffer.element_size()
-            future = _exact_average(state.process_group, buffer)
+            future = exact_all_reduce(buffer, state.process_group, average=True, async_op=True)
         else:
             bucket_stats = state.note_bucket(bucket.index(), buffer.numel())
             future = start(buffer, group, call).get_future()
@@ -154,21 +138,8 @@ def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool)
     return future.then(record_stats)
 
 
-def _exact_average(
-    process_group: dist.ProcessGroup | None, buffer: torch.Tensor
-) -> torch.futures.Future[list[torch.Tensor]]:
-    """DDP's default (``default_hooks.allreduce_hook``): divide, then sum with
-    ``torch.distributed.all_reduce`` on DDP's own group. For sparse buckets (the ring works on
-    dense values only) and the ones the bucket policy keeps exact. DDP's own collectives on that
-    group are issued from the same (autograd) thread, so the order of calls on it is the same on
-    every rank; cerar's ring runs on its dedicated group, so the two never interleave."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    buffer.div_(dist.get_world_size(group))
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future()
-
-
 # ---------------------------------------------------------------------------------------------
-# Hierarchical hooks (:mod:`cerar.comm.hierarchical`): exact inside each node, CERAR or the
+# Hierarchical hooks (:mod:`cerar.comm.collective.hierarchical`): exact inside each node, CERAR or the
 # exact ring between nodes. Their state is a HierarchicalState (ranks_per_node, a code for M nodes).
 
 def hier_cerar_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -176,8 +147,6 @@ def hier_cerar_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.
     each node, CERAR (``state.code``, for the group's ``M`` nodes) between nodes. The bucket
     policy and ``nonfinite`` work as in :func:`cerar_hook`; ``state`` must be a
     :class:`HierarchicalState`."""
-    from cerar.comm.hierarchical import hierarchical_all_reduce
-
     _check_hierarchical(state)
     return _launch(
         state,
@@ -192,8 +161,6 @@ def hier_cerar_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.
 def hier_ring_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` with :func:`cerar.hierarchical_ring_all_reduce` (the exact ring between
     nodes): the comparison baseline of :func:`hier_cerar_hook`."""
-    from cerar.comm.hierarchical import hierarchical_ring_all_reduce
-
     _check_hierarchical(state)
     return _launch(
         state,
@@ -211,20 +178,3 @@ def _check_hierarchical(state: Any) -> None:
             f"Argument 'state' of the hierarchical DDP hooks must be a cerar.ddp.HierarchicalState, not "
             f"{type(state).__name__}: its code is for the number of nodes, and it knows ranks_per_node."
         )
-
-
-#: The hooks by name, for configs and command lines that name the method (the hierarchical
-#: ones take a :class:`HierarchicalState`).
-HOOKS: dict[str, Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]] = {
-    "cerar": cerar_hook,
-    "auto": auto_hook,
-    "ring": ring_hook,
-    "hier-cerar": hier_cerar_hook,
-    "hier-ring": hier_ring_hook,
-}
-
-
-def get_hook(name: str) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
-    """The hook :data:`HOOKS` holds under ``name`` (``"cerar"``, ``"auto"``, ``"ring"``, ``"hier-cerar"``,
-    ``"hier-ring"``)."""
-    return HOOKS[check_choice("name", name, tuple(HOOKS))]

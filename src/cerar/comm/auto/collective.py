@@ -2,13 +2,13 @@
 error budget, decided from the calls themselves, the same on every rank.
 
 The calls of one size (and dtype, op, budget) on one group form a stream that an
-:class:`cerar.comm.auto_engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
+:class:`cerar.comm.auto.engine.AutoEngine` drives, one slot per call: the first ``warmup`` calls
 exact, then ``trials`` calls of each candidate (twelve by default, :data:`COLLECTIVE_CONFIG`),
 in turns (rounds of one call each, the first fewest bytes first, every other one reversed; a
 16-bit CERAR call after another method's takes its packet scale from its data, except a counted
 trial call, which takes the one its call of the round before left), a hopeless one
 cut once two counted calls showed it
-(:mod:`cerar.comm.auto_candidates`, collective context: ``exact`` is
+(:mod:`cerar.comm.auto.candidates`, collective context: ``exact`` is
 ``torch.distributed.all_reduce``, ``fp16`` ``cerar.ring_all_reduce`` with a float16 wire, CERAR
 with float32 and float16 packets), then the decision, agreed on a side
 Gloo group that the first ``method="auto"`` call on the group creates (every rank makes its
@@ -37,13 +37,16 @@ import torch
 import torch.distributed as dist
 
 from cerar.coding.code import MAX_ERROR, check_max_error
-from cerar.comm.auto_candidates import Candidate, build_candidates
-from cerar.comm.auto_engine import AutoConfig, AutoEngine, SideGroup, new_side_group
-from cerar.comm.call_checks import check_bool, check_op, check_stats, check_tensor
-from cerar.comm.calls import cerar_call, ring_call, ring_of
-from cerar.comm.policies import NONFINITE_POLICIES
-from cerar.comm.stats import CommStats
-from cerar.comm.worker_thread import COMM
+from cerar.comm.auto.candidates import Candidate, build_candidates
+from cerar.comm.auto.engine import AutoConfig, AutoEngine, SideGroup, new_side_group
+from cerar.comm.collective.api import register_method
+from cerar.comm.collective.call import cerar_call, ring_call
+from cerar.comm.collective.checks import check_bool, check_op, check_stats, check_tensor
+from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.ring.exact import exact_all_reduce
+from cerar.comm.ring.groups import ring_of
+from cerar.comm.ring.stats import CommStats
+from cerar.comm.ring.thread import COMM
 
 __all__ = ["COLLECTIVE_CONFIG", "AutoWork", "auto_all_reduce", "auto_status"]
 
@@ -160,7 +163,7 @@ def auto_all_reduce(
             engine.measured(step, 0, choice.candidate, seconds)
 
     def settle(wait: Callable[[], Any]) -> None:
-        from cerar.comm.handshake import SettingsMismatchError
+        from cerar.comm.ring.handshake import SettingsMismatchError
 
         try:
             wait()
@@ -270,17 +273,9 @@ def _start(
     thread), their settings already checked: the code is auto's own, for the group. A 16-bit
     CERAR call that follows another method's (``switched``) takes its packet scale from its data."""
     if candidate.name == "exact":
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        size = dist.get_world_size(group)
-        handle = dist.all_reduce(work, group=group, async_op=True)
-
-        def finish() -> None:
-            if op == "avg":
-                work.div_(size)
-            if work is not tensor:
-                tensor.copy_(work)
-
-        return _Started(handle, tensor, finish)
+        future = exact_all_reduce(tensor, group, average=op == "avg", async_op=True)
+        assert future is not None
+        return _Started(_FutureHandle(future), tensor)
     ring = ring_of(group)
     assert ring is not None  # a member: checked by the caller
     if candidate.components is None:
@@ -294,9 +289,20 @@ def _start(
 
 def _exact_on(group: dist.ProcessGroup | None, tensor: torch.Tensor, op: str) -> None:
     """The exact sum (or average) on ``group``, blocking: a failed call's redo."""
-    work = tensor.contiguous()
-    dist.all_reduce(work, group=group)
-    if op == "avg":
-        work.div_(dist.get_world_size(group))
-    if work is not tensor:
-        tensor.copy_(work)
+    exact_all_reduce(tensor, group, average=op == "avg")
+
+
+class _FutureHandle:
+    """A future as the handle :class:`_Started` waits on."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.wait()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+
+register_method("auto", auto_all_reduce)

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from cerar._checks import check_bool, check_choice
-from cerar.comm.policies import NONFINITE_POLICIES
-from cerar.comm.stats import CommStats
+from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.ring.stats import CommStats
 
 __all__ = ["check_bool", "check_op", "check_stats", "check_tensor", "overlaps_itself"]  # check_bool: from cerar._checks
 
@@ -84,7 +84,7 @@ def check_op(op: Any) -> str:
 
 def check_stats(stats: Any) -> None:
     if stats is not None and not isinstance(stats, CommStats):
-        raise TypeError(f"Argument 'stats' must be a cerar.comm.stats.CommStats or None, not {type(stats).__name__}.")
+        raise TypeError(f"Argument 'stats' must be a cerar.CommStats or None, not {type(stats).__name__}.")
 
 
 PACKET_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)

@@ -3,7 +3,7 @@
 :class:`HierarchicalState` is a :class:`cerar.ddp.CerarState` that also knows the node layout:
 ``ranks_per_node`` (default: torchrun's ``LOCAL_WORLD_SIZE``), and whose ``code`` is for the
 number of *nodes* ``M``, not of ranks, since CERAR runs only between nodes
-(:mod:`cerar.comm.hierarchical`). Everything else (bucket policy, resync, statistics,
+(:mod:`cerar.comm.collective.hierarchical`). Everything else (bucket policy, resync, statistics,
 checkpoints) is :class:`CerarState`'s. Like it, it builds before ``init_process_group`` and
 resolves the layout, the default code and its own group at the first bucket.
 """
@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from cerar.coding.code import Code
-from cerar.comm.ddp_state import CerarState, _new_comm_group, logger
+from cerar.comm.ddp.state import CerarState, logger
+from cerar.comm.ring.exact import new_group_like
 
 if TYPE_CHECKING:
-    from cerar.comm.hierarchical import NodeLayout
+    from cerar.comm.collective.hierarchical import NodeLayout
 
 __all__ = ["HierarchicalState"]
 
@@ -36,7 +37,7 @@ class HierarchicalState(CerarState):
             ``LOCAL_WORLD_SIZE`` (default group only), resolved at the first bucket.
 
     Attributes: those of :class:`CerarState`, plus ``ranks_per_node`` as given and ``layout``,
-    this rank's :class:`cerar.comm.hierarchical.NodeLayout` (``None`` until the first bucket).
+    this rank's :class:`cerar.comm.collective.hierarchical.NodeLayout` (``None`` until the first bucket).
     """
 
     __slots__ = ("layout", "ranks_per_node")
@@ -71,7 +72,7 @@ class HierarchicalState(CerarState):
 
     def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
         """The hook's group, created at the first bucket with the layout and the code for ``M``."""
-        from cerar.comm.hierarchical import node_layout
+        from cerar.comm.collective.hierarchical import node_layout
 
         if self._comm_group is None:
             if not (dist.is_available() and dist.is_initialized()):
@@ -89,9 +90,9 @@ class HierarchicalState(CerarState):
             self.layout = layout
             self.ranks_per_node = layout.ranks_per_node
             self.world_size = layout.world_size
-            self._comm_group = _new_comm_group(self.process_group)
+            self._comm_group = new_group_like(self.process_group)
         if coded and self.code is None:
-            from cerar.comm.calls import resolve_code
+            from cerar.comm.collective.codes import resolve_code
 
             assert self.layout is not None
             self.code = resolve_code(self.layout.nodes, dtype, self.packet_dtype)

@@ -35,41 +35,41 @@ found there raises on every rank once the posted messages have completed (their 
 discarded). A skipped, extra or mismatched call thus still raises everywhere; what the agreed
 call saves is the latency of all hops but the first.
 
-CERAR checks finiteness and magnitude later, overlapped: :class:`MaximaChain` carries every
-rank's ``max|x|`` inside data rounds ``2 .. N`` (see :func:`cerar.comm.algorithms.run_cerar`), so
-the check costs one pass over the input while round 1 is on the wire instead of a pass before
-the call.
+CERAR checks finiteness and magnitude later, overlapped: :class:`cerar.comm.ring.maxima.MaximaChain`
+carries every rank's ``max|x|`` inside data rounds ``2 .. N``, so the check costs one pass over the
+input while round 1 is on the wire instead of a pass before the call.
+
+The handshake's time is added to the call's ``CommStats.handshake_s`` (the ``stats`` argument).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from cerar.comm.transport import Ring, post_pair, wait_for
+from cerar.comm.ring.links import Ring, post_pair, wait_for
+from cerar.comm.ring.stats import CommStats
 
 __all__ = [
     "HANDSHAKE_TAG",
     "Agreed",
-    "MaximaChain",
     "OpenHandshake",
+    "Proposal",
     "SettingsMismatchError",
     "dissemination_distances",
     "gather_text",
     "handshake",
-    "max_abs",
     "open_handshake",
     "settings_hash",
 ]
 
 #: Point-to-point tags of cerar's messages (a program's own p2p on the group uses tag 0 by default).
-HANDSHAKE_TAG = 0x0CE1
-FLAG_TAG = 0x0CE2
+HANDSHAKE_TAG = 0x0CE1  # 0x0CE2 is the maxima chain's (cerar.comm.ring.maxima)
 GATHER_TAG = 0x0CE3
 _TEXT_BYTES = 2048  # one rank's settings summary on the failure path
 
@@ -110,6 +110,16 @@ def _max_around(ring: Ring, total: torch.Tensor, tag: int, distances: Sequence[i
     return total
 
 
+class Proposal(NamedTuple):
+    """The packet scale fields of this rank's header (:class:`cerar.comm.kernels.scale.PacketScale`)."""
+
+    max_abs: float = 0.0  # the data's ``max|x|`` where the call measured it (0: not measured)
+    scale_exponent: int = 0  # the exponent this rank proposes
+
+
+NO_PROPOSAL = Proposal()  # a call with nothing to scale (the exact ring in its wire dtype)
+
+
 class Agreed(NamedTuple):
     """What the handshake found, the same on every rank."""
 
@@ -135,8 +145,10 @@ class OpenHandshake:
         counter: int,
         summary: str | Callable[[], str],
         device: torch.device | None,
+        stats: CommStats | None = None,
     ) -> None:
-        self.ring, self.counter, self.summary, self.device = ring, counter, summary, device
+        began = time.perf_counter()
+        self.ring, self.counter, self.summary, self.device, self.stats = ring, counter, summary, device, stats
         self.own, self.total = own, own.clone()
         # Hop 1 both ways (the successor's header too: a link's two ends then know the same), then
         # dissemination hops 2, 4, ...: the maximum ignores the overlaps.
@@ -153,6 +165,11 @@ class OpenHandshake:
         torch.maximum(self.total, from_predecessor, out=self.total)
         torch.maximum(self.total, from_successor, out=self.total)
         self.neighbours = (from_predecessor, from_successor)  # the headers of hop 1
+        self._timed(began)
+
+    def _timed(self, began: float) -> None:
+        if self.stats is not None:
+            self.stats.handshake_s += time.perf_counter() - began
 
     # Read only when asked (on an accelerator, reading them waits for the device).
     @property
@@ -166,7 +183,11 @@ class OpenHandshake:
     def finish(self) -> Agreed:
         """The remaining hops; :class:`SettingsMismatchError` on every rank if the settings
         hashes or call counts differ anywhere, with every rank's summary."""
-        total = _max_around(self.ring, self.total, HANDSHAKE_TAG, self.rest).tolist()
+        began = time.perf_counter()
+        try:
+            total = _max_around(self.ring, self.total, HANDSHAKE_TAG, self.rest).tolist()
+        finally:
+            self._timed(began)
         self.rest = []
         if total[0] != -total[1] or total[2] != -total[3]:
             text = self.summary if isinstance(self.summary, str) else self.summary()
@@ -182,15 +203,15 @@ def open_handshake(
     settings: float,
     counter: int,
     summary: str | Callable[[], str],
+    proposal: Proposal = NO_PROPOSAL,
     *,
-    max_abs: float = 0.0,
-    scale_exponent: int = 0,
     device: torch.device | None = None,
+    stats: CommStats | None = None,
 ) -> OpenHandshake:
     """Run the handshake's first hop (:class:`OpenHandshake`); ``finish()`` completes it."""
-    fields = [settings, -settings, float(counter), -float(counter), max_abs, float(scale_exponent)]
+    fields = [settings, -settings, float(counter), -float(counter), proposal.max_abs, float(proposal.scale_exponent)]
     own = torch.tensor(fields, dtype=torch.float64, device=device or "cpu")
-    return OpenHandshake(ring, own, counter, summary, device)
+    return OpenHandshake(ring, own, counter, summary, device, stats)
 
 
 def handshake(
@@ -198,21 +219,18 @@ def handshake(
     settings: float,
     counter: int,
     summary: str | Callable[[], str],
+    proposal: Proposal = NO_PROPOSAL,
     *,
-    max_abs: float = 0.0,
-    scale_exponent: int = 0,
     device: torch.device | None = None,
+    stats: CommStats | None = None,
 ) -> Agreed:
     """Run the handshake and return what every rank :class:`Agreed` on.
 
     Raises :class:`SettingsMismatchError` on every rank if the settings hashes or call counts
     differ, with every rank's ``summary`` (text, or a function that makes it: built only then).
-    Non-finite inputs are found later, overlapped (:class:`MaximaChain`).
+    Non-finite inputs are found later, overlapped (:class:`cerar.comm.ring.maxima.MaximaChain`).
     """
-    opened = open_handshake(
-        ring, settings, counter, summary, max_abs=max_abs, scale_exponent=scale_exponent, device=device
-    )
-    return opened.finish()
+    return open_handshake(ring, settings, counter, summary, proposal, device=device, stats=stats).finish()
 
 
 def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> list[str]:
@@ -227,82 +245,3 @@ def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> li
         wait_for(recv_work, ring, hop)
         wait_for(send_work, ring, hop)
     return [bytes(row.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for row in blocks]
-
-
-class MaximaChain:
-    """Every rank's largest input magnitude, carried inside CERAR's data packets of rounds ``2 .. N``.
-
-    Rank ``r`` puts its ``max|x|`` (``inf`` if its input holds NaN/Inf) in slot ``r`` while round
-    1 is on the wire (:meth:`set_own_from`); each round ``t = 2 .. N`` then carries, in a
-    :attr:`front` of ``8 N`` bytes ahead of its first piece's values, the element-wise maximum of
-    everything the rank has heard so far (:meth:`write`), and the receiver folds in what arrived
-    (:meth:`absorb`). After ``N - 1`` hops every rank holds the same vector (:meth:`maxima`),
-    before any decoding: the non-finite decision and the packet-scale check are the same on
-    every rank. Riding in the data messages costs no message of its own (a separate message per
-    hop cost about as much as a data round's on an oversubscribed host); hops the data rounds do
-    not carry (fewer than ``N`` rounds, ``c = 1``, or no values) run as messages of their own in
-    :meth:`maxima`.
-    """
-
-    def __init__(self, ring: Ring, device: torch.device, packet_dtype: torch.dtype = torch.float64) -> None:
-        self.ring = ring
-        self.own = torch.zeros(ring.size, dtype=torch.float64, device=device)
-        self.known = torch.zeros(ring.size, dtype=torch.float64, device=device)  # own, then the max heard
-        self.arrived = torch.zeros(ring.size, dtype=torch.float64, device=device)
-        #: Elements of ``packet_dtype`` the vector takes at the front of a packet (``8 N`` bytes).
-        self.front = ring.size * 8 // torch.empty((), dtype=packet_dtype).element_size()
-        self.sent = 0  # hops posted
-        self.heard = 0  # hops folded in
-
-    def reset(self) -> None:
-        """Forget the previous call's values (a run kept for its layout reuses its chain)."""
-        self.own.zero_()
-        self.sent = self.heard = 0
-
-    def set_own_from(self, tensor: torch.Tensor) -> None:
-        """This rank's slot from ``tensor``'s ``max|x|`` (``inf`` for NaN/Inf), computed where the
-        tensor lives: no host synchronisation (the value is read only in :meth:`maxima`)."""
-        if not tensor.numel():
-            return  # the slot holds 0
-        low, high = torch.aminmax(tensor)
-        largest = torch.maximum(-low, high).to(torch.float64)
-        self.own[self.ring.rank] = torch.nan_to_num(largest, nan=math.inf, posinf=math.inf)
-
-    def carries(self, round_index: int, rounds: int) -> bool:
-        """Whether round ``round_index``'s first piece carries a hop: rounds ``2 .. min(N, L)``."""
-        return 2 <= round_index <= min(self.ring.size, rounds)
-
-    def write(self, front: torch.Tensor) -> None:
-        """The next hop's message into ``front`` (the first :attr:`front` elements of a packet)."""
-        if not self.sent:
-            self.known.copy_(self.own)
-        front.view(torch.uint8).copy_(self.known.view(torch.uint8))
-        self.sent += 1
-
-    def absorb(self, front: torch.Tensor) -> None:
-        """Fold the hop that arrived in ``front`` into what this rank knows."""
-        self.arrived.view(torch.uint8).copy_(front.view(torch.uint8))
-        torch.maximum(self.known, self.arrived, out=self.known)
-        self.heard += 1
-
-    def maxima(self, next_round: int) -> list[float]:
-        """Every group rank's ``max|x|`` (``inf``: NaN/Inf), once every hop has arrived; hops the
-        data rounds did not carry run here as messages of their own, numbered from ``next_round``."""
-        if not self.sent:
-            self.known.copy_(self.own)
-        while self.heard < self.ring.size - 1:
-            recv_work, send_work = post_pair(self.known.clone(), self.arrived, self.ring, next_round, FLAG_TAG)
-            wait_for(recv_work, self.ring, next_round)
-            wait_for(send_work, self.ring, next_round)
-            torch.maximum(self.known, self.arrived, out=self.known)
-            self.sent, self.heard, next_round = self.sent + 1, self.heard + 1, next_round + 1
-        return self.known.cpu().tolist()
-
-
-def max_abs(tensor: torch.Tensor) -> float:
-    """``max|x|`` in one pass (``inf`` if ``tensor`` holds NaN or Inf; 0 if it is empty)."""
-    if not tensor.numel():
-        return 0.0
-    low, high = torch.aminmax(tensor)
-    value = max(-float(low), float(high))
-    return value if math.isfinite(value) else math.inf

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cerar.comm.stats import CommStats
+from cerar.comm.ring.links import Ring
+from cerar.comm.ring.stats import CommStats
 
-__all__ = ["GroupState", "group_state"]
+__all__ = ["GroupState", "count_call", "group_state", "ring_of"]
 
 
 @dataclass
@@ -33,10 +34,10 @@ class GroupState:
             exponent the last CERAR call of that size ended with.
         agreed: the ``(key, settings hash)`` pairs (the same key) of the CERAR calls that every
             rank completed: a later call of one of them is of an agreed layout
-            (:class:`cerar.comm.handshake.OpenHandshake`), also when calls of other settings at
+            (:class:`cerar.comm.ring.handshake.OpenHandshake`), also when calls of other settings at
             that size came between (two codes, or methods a benchmark runs in turns).
         nodes: per ``ranks_per_node``, the hierarchical path's node groups.
-        ring: this process's :class:`cerar.comm.transport.Ring` over the group (``False`` if it
+        ring: this process's :class:`cerar.comm.ring.links.Ring` over the group (``False`` if it
             is not a member), worked out by the first call (the group's membership is fixed).
     """
 
@@ -45,7 +46,7 @@ class GroupState:
     scale_exponents: dict[tuple[Any, ...], int] = field(default_factory=dict)
     agreed: set[tuple[tuple[Any, ...], float]] = field(default_factory=set)
     nodes: dict[int, Any] = field(default_factory=dict)
-    ring: Any = None
+    ring: Ring | bool | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
@@ -72,8 +73,19 @@ def group_state(group: dist.ProcessGroup | None) -> GroupState:
 
 
 def count_call(group: dist.ProcessGroup | None) -> int:
-    """Count a call on ``group`` and return its number (see :func:`cerar.comm.calls.call_context`)."""
+    """Count a call on ``group`` and return its number (see :func:`cerar.comm.collective.call.call_context`)."""
     state = group_state(group)
     with _LOCK:
         state.calls += 1
         return state.calls
+
+
+def ring_of(group: dist.ProcessGroup | None) -> Ring | None:
+    """This process's :class:`Ring` over ``group`` (None if it is not a member), worked out once
+    per group: its members and their global ranks do not change."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    state = group_state(group)
+    if state.ring is None:
+        state.ring = Ring.of(group) or False
+    return state.ring or None

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cerar.comm.auto_candidates import Candidate
+from cerar.comm.auto.candidates import Candidate
 
 __all__ = ["REASONS", "Choice", "CostModel", "decide_slot", "fit_cost_model"]
 

@@ -34,7 +34,7 @@ Its schedule depends on the step count and on agreed numbers alone, which every 
    ran between its first two;
 3. the decision, at the first slot of the next step: the ranks agree their measurements by an
    elementwise maximum (the slowest rank's) on a side group, fit the cost model
-   (:mod:`cerar.comm.auto_model`) and decide every slot from the same numbers; the plan is
+   (:mod:`cerar.comm.auto.model`) and decide every slot from the same numbers; the plan is
    then agreed as the elementwise smallest candidate index, so that no platform's rounding
    can split the ranks;
 4. windows of ``verify_every`` steps by the plan, each agreed at its end: for calls, a slot
@@ -97,9 +97,9 @@ import torch
 import torch.distributed as dist
 
 from cerar._checks import check_float, check_int
-from cerar.comm.auto_candidates import CANDIDATE_NAMES, DEFAULT_CANDIDATES, Candidate
-from cerar.comm.auto_model import Choice, CostModel, decide_slot, fit_cost_model
-from cerar.comm.auto_pins import PinnedTable
+from cerar.comm.auto.candidates import CANDIDATE_NAMES, DEFAULT_CANDIDATES, Candidate
+from cerar.comm.auto.model import Choice, CostModel, decide_slot, fit_cost_model
+from cerar.comm.auto.pins import PinnedTable
 
 __all__ = ["AutoConfig", "AutoEngine", "SideGroup", "new_side_group"]
 
@@ -132,8 +132,8 @@ class AutoConfig:
             duel (``None``: every such plan duels).
         verify_every: steps per verification window.
         redecide_every: steps of a plan before the next calibration (``None``: never on a schedule).
-        candidates: the candidates' names (:data:`cerar.comm.auto_candidates.CANDIDATE_NAMES`).
-        pinned: a :class:`cerar.comm.auto_pins.PinnedTable`, its text, a path, or None.
+        candidates: the candidates' names (:data:`cerar.comm.auto.candidates.CANDIDATE_NAMES`).
+        pinned: a :class:`cerar.comm.auto.pins.PinnedTable`, its text, a path, or None.
     """
 
     warmup: int = 1
@@ -191,15 +191,11 @@ class SideGroup:
 
 
 def new_side_group(process_group: dist.ProcessGroup | None) -> SideGroup:
-    """A Gloo group over ``process_group``'s ranks (every member must call it at the same
-    point), with the caller's timeout; a group smaller than the world is made by its members."""
-    from cerar.comm.transport import group_timeout
+    """A Gloo group over ``process_group``'s ranks for the agreements (every member must call it
+    at the same point)."""
+    from cerar.comm.ring.exact import new_group_like
 
-    ranks = sorted(dist.get_process_group_ranks(process_group or dist.group.WORLD))
-    options: dict[str, Any] = {"ranks": ranks, "timeout": group_timeout(process_group), "backend": "gloo"}
-    if len(ranks) != dist.get_world_size():
-        options["use_local_synchronization"] = True
-    return SideGroup(dist.new_group(**options))
+    return SideGroup(new_group_like(process_group, backend="gloo"))
 
 
 class AutoEngine:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cerar._checks import check_choice, format_size, parse_size
-from cerar.comm.auto_candidates import Candidate
+from cerar.comm.auto.candidates import Candidate
 
 __all__ = ["PinnedRow", "PinnedTable"]
 

@@ -1,7 +1,7 @@
 """CERAR's CPU coding as compiled C functions, built on first use and loaded with ctypes.
 
 Both halves of the coding are memory-bound. The decode of a piece, ``out = scale (D X + W R)``
-accumulated in float64: the torch ops of :meth:`cerar.comm.algorithms.CerarRun._fold` widen
+accumulated in float64: the torch ops of :meth:`cerar.comm.kernels.decode.FoldedDecode.fold` widen
 every observation into a float64 scratch and stream a float64 accumulator three times, several
 times the bytes the decode must move. The encode, every round's increment ``R_t X``: torch's
 ``(B, c) x (c, w)`` products read the input once per batch of ``B`` rounds. ``csrc/coding.c``
@@ -177,7 +177,7 @@ def _load() -> ctypes.CDLL | None:
             if compiler is None:
                 _status = "off: no C compiler (cc, gcc or clang) on PATH"
                 return None
-            source = resources.files("cerar.comm").joinpath("csrc", _SOURCE).read_bytes()
+            source = resources.files("cerar.comm.kernels").joinpath("csrc", _SOURCE).read_bytes()
             library, where = _build(compiler, source)
             _bind(library)
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError, ValueError) as exc:

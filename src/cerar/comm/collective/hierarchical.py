@@ -19,7 +19,7 @@ the code's error bound for the node sums), as the ranks of the flat :func:`cerar
 
 The promises of the flat collective hold, checked before any data moves:
 
-* a handshake over the whole group's ring (:func:`cerar.comm.handshake.handshake`) checks that
+* a handshake over the whole group's ring (:func:`cerar.comm.ring.handshake.handshake`) checks that
   every rank runs the same call: method, ``ranks_per_node``, code, dtype, size, op, policy and
   call number; a mismatch raises :class:`SettingsMismatchError` with the same message on every
   rank. The first call of a ``(group, ranks_per_node)`` also agrees on the layout before the
@@ -60,13 +60,15 @@ import torch.distributed as dist
 
 from cerar._checks import check_int
 from cerar.coding.code import Code
-from cerar.comm.call_checks import check_bool, check_coded_call, check_op, check_stats, check_tensor
-from cerar.comm.calls import NonFiniteError, Working, cerar_call, resolve_code, ring_call, ring_of
-from cerar.comm.groups import count_call, group_state
-from cerar.comm.handshake import SettingsMismatchError, handshake, settings_hash
-from cerar.comm.stats import CommStats
-from cerar.comm.transport import WORKSPACE, Ring, RingError, group_timeout, post_pair, wait_for
-from cerar.comm.worker_thread import COMM, CerarWork
+from cerar.comm.collective.call import NonFiniteError, Working, cerar_call, ring_call
+from cerar.comm.collective.checks import check_bool, check_coded_call, check_op, check_stats, check_tensor
+from cerar.comm.collective.codes import resolve_code
+from cerar.comm.kernels.workspace import WORKSPACE
+from cerar.comm.ring.groups import count_call, group_state, ring_of
+from cerar.comm.ring.handshake import SettingsMismatchError, handshake, settings_hash
+from cerar.comm.ring.links import Ring, RingError, group_timeout, post_pair, wait_for
+from cerar.comm.ring.stats import CommStats
+from cerar.comm.ring.thread import COMM, CerarWork
 
 __all__ = [
     "NodeLayout",
@@ -182,7 +184,7 @@ def hierarchical_all_reduce(
         ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
             ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
         code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
-            Default: :func:`cerar.comm.calls.resolve_code` for ``M`` and the dtypes.
+            Default: :func:`cerar.comm.collective.call.resolve_code` for ``M`` and the dtypes.
         nonfinite: ``"raise"``, ``"exact"`` or ``"ignore"`` (see the module docstring).
     """
     reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(

@@ -1,22 +1,22 @@
 """The state of cerar's DDP hooks: :class:`CerarState` (settings, per-bucket buffers, statistics).
 
 Built before or after ``init_process_group``, like ``PowerSGDState``: what needs the group is
-resolved at the first bucket. The hooks themselves live in :mod:`cerar.comm.ddp` (the public
+resolved at the first bucket. The hooks themselves live in :mod:`cerar.comm.ddp.hooks` (the public
 ``cerar.ddp``), which re-exports everything here.
 """
 
-import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cerar._checks import check_choice
 from cerar.coding.code import Code
-from cerar.comm.ddp_checkpoint import (
+from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.ddp.checkpoint import (
     check_count,
     check_every,
     check_packet_dtype,
@@ -24,14 +24,13 @@ from cerar.comm.ddp_checkpoint import (
     from_state_dict,
     to_state_dict,
 )
-from cerar.comm.policies import NONFINITE_POLICIES
-from cerar.comm.replicas import ReplicaSync
-from cerar.comm.stats import CommStats
-from cerar.comm.transport import group_timeout
+from cerar.comm.ddp.replicas import ReplicaSync
+from cerar.comm.ring.exact import new_group_like
+from cerar.comm.ring.stats import CommStats
 
 __all__ = ["DEFAULT_MIN_BUCKET_BYTES", "CerarState"]
 
-logger = logging.getLogger("cerar.comm.ddp")
+logger = logging.getLogger("cerar.comm.ddp.hooks")
 
 
 #: :class:`CerarState`'s default ``min_bucket_bytes``: 2 MiB, the crossover below which CERAR's
@@ -39,14 +38,6 @@ logger = logging.getLogger("cerar.comm.ddp")
 #: against Gloo's all-reduce on the slow network (``cerar bench --regime slow -N 4 -c 8``; the
 #: figures are in ``docs/results.md``). Re-measure it when CERAR's per-call fixed cost changes.
 DEFAULT_MIN_BUCKET_BYTES = 2 * 1024 * 1024
-
-
-class _SignatureOfInit:
-    """``inspect.signature`` of a state class (``help()``, the README's check): its ``__init__``'s
-    parameters, not those of the ``__new__`` that picks the class from ``method``."""
-
-    def __get__(self, obj: Any, cls: type) -> inspect.Signature:
-        return inspect.Signature(list(inspect.signature(cls.__init__).parameters.values())[1:])
 
 
 class CerarState(ReplicaSync):
@@ -67,13 +58,13 @@ class CerarState(ReplicaSync):
     Args:
         process_group: the group DDP averages over (``None``: the default group).
         code: the :class:`cerar.Code`; its ``world_size`` must equal the group's size. ``None``
-            uses :func:`cerar.comm.collective.default_code` for the group's size (resolved at
+            uses :func:`cerar.comm.collective.api.default_code` for the group's size (resolved at
             the first bucket). Ignored by :func:`ring_hook`.
         nonfinite: what a bucket holding NaN or Inf on some rank does. ``"exact"`` (default):
             that bucket goes through the exact ring instead (CERAR's mixing would spread one NaN
             across the ``c`` components of its column on every rank; the ring keeps it where it
             was, as DDP's default would) and ``stats.fallbacks`` counts it. ``"raise"``: backward
-            raises :class:`cerar.comm.collective.NonFiniteError` on every rank. ``"ignore"``: no check.
+            raises :class:`cerar.comm.collective.api.NonFiniteError` on every rank. ``"ignore"``: no check.
         packet_dtype: CERAR's packets on the wire (see :func:`cerar.all_reduce`): ``None``
             (float32 for float32 gradients), or ``torch.float16`` / ``torch.bfloat16``, half the
             bytes; the default code is then the one tuned for that precision. Ignored by
@@ -100,9 +91,6 @@ class CerarState(ReplicaSync):
             Both rules depend only on the bucket's size and the iteration count, which are the
             same on every rank, so every rank takes the same path for each bucket. The exact
             path does not apply ``nonfinite`` (non-finite values are summed, as DDP's default).
-        method: ``"cerar"`` (this class) or ``"auto"``: ``CerarState(method="auto", max_error=...)``
-            builds a :class:`cerar.comm.auto_ddp.AutoState`, which decides each bucket's method
-            from measurement (its own arguments are documented there).
         on_step: ``on_step(state, stats)``, called with the step's :class:`CommStats` when the
             last bucket of a backward pass completes. It runs on the communication thread, so
             keep it short; an exception in it fails that backward.
@@ -160,7 +148,6 @@ class CerarState(ReplicaSync):
         "last_divergence",
         "last_step",
         "max_divergence",
-        "method",
         "min_bucket_bytes",
         "nonfinite",
         "on_step",
@@ -179,32 +166,8 @@ class CerarState(ReplicaSync):
     # nothing to restore, and the group's size is resolved again with the group.
     _NOT_PICKLED = ("process_group", "_comm_group", "_lock", "_open_buckets", "_step", "_step_closing", "on_step")
     _RESOLVED_AGAIN = ("world_size",)
-    #: The record of one backward pass (``last_step``); :class:`cerar.comm.auto_ddp.AutoState`'s adds its buckets.
+    #: The record of one backward pass (``last_step``); :class:`cerar.comm.auto.ddp.AutoState`'s adds its buckets.
     _STEP_RECORD: type[CommStats] = CommStats
-    _METHOD = "cerar"
-
-    #: The subclass each other ``method`` builds, registered by its class statement
-    #: (``class AutoState(CerarState, method="auto")``, loaded with ``cerar.ddp``).
-    _BY_METHOD: ClassVar[dict[str, type["CerarState"]]] = {}
-    __signature__ = _SignatureOfInit()
-
-    def __init_subclass__(cls, method: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if method is not None:
-            CerarState._BY_METHOD[method] = cls
-
-    def __new__(cls, *args: Any, method: str = "cerar", **kwargs: Any) -> "CerarState":
-        # ``CerarState(method="auto", max_error=...)`` is an AutoState (cerar.comm.auto_ddp), which
-        # extends this class with the decision; any other method builds this class as it is.
-        if cls is CerarState and method != "cerar":
-            if method not in CerarState._BY_METHOD:
-                raise ValueError(
-                    f"Argument 'method' must be 'cerar' or one of {sorted(CerarState._BY_METHOD)} "
-                    f"(the others load with cerar.ddp), not {method!r}."
-                )
-            cls = CerarState._BY_METHOD[method]
-        return super().__new__(cls)
-
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
@@ -217,7 +180,6 @@ class CerarState(ReplicaSync):
         resync_every: int | None = None,
         divergence_tol: float | None = None,
         on_step: Callable[["CerarState", CommStats], None] | None = None,
-        method: str = "cerar",
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -228,9 +190,6 @@ class CerarState(ReplicaSync):
         if on_step is not None and not callable(on_step):
             raise TypeError(f"Argument 'on_step' must be a callable or None, not {type(on_step).__name__}.")
         # Settings.
-        if method != self._METHOD:
-            raise ValueError(f"Argument 'method' of {type(self).__name__} must be {self._METHOD!r}, not {method!r}.")
-        self.method: str = method
         self.process_group: dist.ProcessGroup | None = process_group
         self.code: Code | None = code
         self.world_size: int | None = None  # resolved at the first bucket
@@ -265,7 +224,7 @@ class CerarState(ReplicaSync):
         """Settings and this rank's statistics, as plain values: ``torch.save`` it per rank, it
         loads with ``weights_only=True``. ``code`` is :meth:`cerar.Code.to_dict` (``None`` before
         the default is resolved); ``rank``, ``world_size``: the saving rank's (``None`` without a
-        group). See :mod:`cerar.comm.ddp_checkpoint`."""
+        group). See :mod:`cerar.comm.ddp.checkpoint`."""
         with self._lock:
             return to_state_dict(self, _rank(self.process_group), self.world_size or _size(self.process_group))
 
@@ -322,7 +281,7 @@ class CerarState(ReplicaSync):
 
     def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
         """The hook's group, created (and the code checked, or for a coded bucket defaulted by
-        :func:`cerar.comm.calls.resolve_code` from the bucket's dtype and ``packet_dtype``)
+        :func:`cerar.comm.collective.call.resolve_code` from the bucket's dtype and ``packet_dtype``)
         at the first bucket."""
         if self._comm_group is None:
             if not (dist.is_available() and dist.is_initialized()):
@@ -334,9 +293,9 @@ class CerarState(ReplicaSync):
                     f"not world_size={self.code.world_size}."
                 )
             self.world_size = world_size
-            self._comm_group = _new_comm_group(self.process_group)
+            self._comm_group = new_group_like(self.process_group)
         if coded and self.code is None:
-            from cerar.comm.calls import resolve_code
+            from cerar.comm.collective.codes import resolve_code
 
             self.code = resolve_code(dist.get_world_size(self.process_group), dtype, self.packet_dtype)
         return self._comm_group
@@ -396,16 +355,6 @@ class CerarState(ReplicaSync):
             f"start_iter={self.start_iter}, resync_every={self.resync_every}, "
             f"divergence_tol={self.divergence_tol}, iteration={self.iteration}, resyncs={self.resyncs})"
         )
-
-
-def _new_comm_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    ranks = sorted(dist.get_process_group_ranks(process_group or dist.group.WORLD))
-    timeout = group_timeout(process_group)  # the caller's, not new_group's 30-minute default
-    if len(ranks) == dist.get_world_size():
-        return dist.new_group(ranks=ranks, timeout=timeout)
-    # Only the members run the hook: they alone create the group (its name hashes the ranks
-    # and the number of groups each member knows, equal on members that made the same groups).
-    return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True)
 
 
 def _rank(process_group: dist.ProcessGroup | None) -> int | None:

@@ -1,11 +1,11 @@
-"""Checkpoints of :class:`cerar.comm.ddp.CerarState`: its ``state_dict`` as plain values, and the
+"""Checkpoints of :class:`cerar.comm.ddp.hooks.CerarState`: its ``state_dict`` as plain values, and the
 checks of one being loaded.
 
 A ``state_dict`` holds only ``None``, bools, ints, floats, strings and dicts of them, so that
 ``torch.save(state.state_dict(), f)`` loads with ``torch.load(f, weights_only=True)`` (no pickled
 classes to trust). It is one rank's: the statistics are what that rank measured, so each rank
 saves and loads its own, and the saving rank's ``rank`` and ``world_size`` are kept to check it.
-Kept apart from :mod:`cerar.comm.ddp` so that the hooks read without the bookkeeping; no torch.
+Kept apart from :mod:`cerar.comm.ddp.hooks` so that the hooks read without the bookkeeping; no torch.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 from cerar._checks import check_choice, check_float, check_int
 from cerar.coding.code import Code
-from cerar.comm.call_checks import check_packet_dtype
-from cerar.comm.policies import NONFINITE_POLICIES
-from cerar.comm.stats import CommStats
+from cerar.comm.collective.checks import check_packet_dtype
+from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.ring.stats import CommStats
 
 __all__ = [
     "KEYS",
@@ -33,7 +33,7 @@ __all__ = [
 
 #: The ``"format"`` entry of a ``CerarState.state_dict()`` (2: the bucket policy's settings and
 #: counts were added; 3: ``packet_dtype``, and ``rescales`` in the statistics).
-STATE_DICT_FORMAT = "cerar.comm.ddp.CerarState/3"
+STATE_DICT_FORMAT = "cerar.comm.ddp.hooks.CerarState/3"
 #: ``packet_dtype`` settings by the name a state_dict saves them under (plain strings).
 PACKET_DTYPE_NAMES = (None, "float32", "float64", "float16", "bfloat16")
 #: Statistics saved as they are: counts, seconds, divergences (``None`` if never measured).

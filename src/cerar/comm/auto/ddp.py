@@ -1,19 +1,19 @@
 """``method="auto"`` for DDP: :class:`AutoState` and :func:`auto_hook` send each gradient bucket
 by the fastest method within the error budget, decided from measured steps, the same on every rank.
 
-    >>> state = cerar.ddp.CerarState(method="auto", max_error=1e-3)  # an AutoState
-    >>> ddp_model.register_comm_hook(state, cerar.ddp.auto_hook)     # or cerar_hook, get_hook("auto")
+    >>> state = cerar.ddp.AutoState(max_error=1e-3)
+    >>> ddp_model.register_comm_hook(state, cerar.ddp.auto_hook)  # or get_hook("auto")
 
-The candidates (:mod:`cerar.comm.auto_candidates`): ``exact`` (DDP's default all-reduce),
+The candidates (:mod:`cerar.comm.auto.candidates`): ``exact`` (DDP's default all-reduce),
 ``fp16`` (torch's ``fp16_compress_hook``), CERAR with float32 and with float16 packets; those
 predicted above ``max_error`` are left out. The schedule, the agreement and the decision are
-:class:`cerar.comm.auto_engine.AutoEngine`'s: exact warm-up steps, whole trial steps of each
+:class:`cerar.comm.auto.engine.AutoEngine`'s: exact warm-up steps, whole trial steps of each
 candidate (one whose steps are far slower than an earlier one's is cut short), then per bucket
 the smallest predicted time (CERAR only by a margin over the best exact/16-bit ring), verified
 online by the steps. A step is timed from the end of the step before to its last bucket's
 completion (the moment the ranks' last collective ends, about the same on every rank). The
 measured time of a bucket, which fits the cost model, is its share of the link
-(:class:`cerar.comm.auto_link.LinkClock`): from when its transport serves it (cerar's thread one
+(:class:`cerar.comm.auto.link.LinkClock`): from when its transport serves it (cerar's thread one
 call at a time, Gloo's threads a few) to its completion, with the time it overlapped other calls
 split among them. The engine's collectives run on a side Gloo group created with the
 hook's own group at the first bucket, never on DDP's group.
@@ -38,12 +38,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from cerar.coding.code import MAX_ERROR, check_max_error
-from cerar.comm.auto_candidates import Candidate, build_candidates
-from cerar.comm.auto_engine import AutoConfig, AutoEngine, SideGroup, new_side_group
-from cerar.comm.auto_link import LinkClock
-from cerar.comm.auto_model import Choice
-from cerar.comm.ddp_state import CerarState, logger
-from cerar.comm.stats import CommStats
+from cerar.comm.auto.candidates import Candidate, build_candidates
+from cerar.comm.auto.engine import AutoConfig, AutoEngine, SideGroup, new_side_group
+from cerar.comm.auto.link import LinkClock
+from cerar.comm.auto.model import Choice
+from cerar.comm.ddp.state import CerarState, logger
+from cerar.comm.ring.exact import exact_all_reduce
+from cerar.comm.ring.stats import CommStats
 
 __all__ = ["AutoState", "AutoStep", "BucketRecord", "auto_hook"]
 
@@ -73,7 +74,7 @@ class AutoStep(CommStats):
         return [asdict(b) for b in self.buckets]
 
 
-class AutoState(CerarState, method="auto"):
+class AutoState(CerarState):
     """A :class:`CerarState` whose hook decides each bucket's method (see the module doc).
 
     Args:
@@ -82,7 +83,7 @@ class AutoState(CerarState, method="auto"):
         max_error: the error budget: candidates whose predicted worst-rank error exceeds it are
             left out (``None``: none); default :data:`cerar.coding.code.MAX_ERROR` (0.1), which
             admits 16-bit CERAR. ``1e-3`` keeps the exact and float16 rings and float32 CERAR.
-        auto: an :class:`cerar.comm.auto_engine.AutoConfig` (schedule, margin, hysteresis,
+        auto: an :class:`cerar.comm.auto.engine.AutoConfig` (schedule, margin, hysteresis,
             candidates, pinned table); default ``AutoConfig()``.
 
     Attributes: those of :class:`CerarState` (``min_bucket_bytes`` is 0: every bucket is decided),
@@ -99,7 +100,6 @@ class AutoState(CerarState, method="auto"):
         *CerarState._NOT_PICKLED, "_agreement", "_last_method", "_link", "candidates", "engine", "refused",
     )  # fmt: skip
     _STEP_RECORD = AutoStep
-    _METHOD = "auto"
 
     def __init__(
         self,
@@ -107,7 +107,6 @@ class AutoState(CerarState, method="auto"):
         *,
         max_error: float | None = MAX_ERROR,
         auto: AutoConfig | None = None,
-        method: str = "auto",
         **settings: Any,
     ) -> None:
         for name in ("code", "packet_dtype", "min_bucket_bytes", "start_iter"):
@@ -115,7 +114,7 @@ class AutoState(CerarState, method="auto"):
                 raise TypeError(f"Argument {name!r} does not apply to method 'auto' (it decides per bucket).")
         if auto is not None and not isinstance(auto, AutoConfig):
             raise TypeError(f"Argument 'auto' must be a cerar.ddp.AutoConfig or None, not {type(auto).__name__}.")
-        super().__init__(process_group, None, method=method, min_bucket_bytes=0, **settings)
+        super().__init__(process_group, None, min_bucket_bytes=0, **settings)
         self.max_error = check_max_error(max_error)
         self.auto: AutoConfig = auto if auto is not None else AutoConfig()
         self._forget()
@@ -179,8 +178,8 @@ Start = Callable[[AutoState, Candidate, dist.GradBucket, dist.ProcessGroup, Comm
 
 
 def _exact(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, call: CommStats) -> Any:
-    """DDP's default (``default_hooks.allreduce_hook``): divide, then ``dist.all_reduce``."""
-    return default_hooks.allreduce_hook(state.process_group, bucket)
+    """DDP's default: divide, then ``dist.all_reduce`` on DDP's group."""
+    return exact_all_reduce(bucket.buffer(), state.process_group, average=True, async_op=True)
 
 
 def _compressed(hook: Callable[[Any, dist.GradBucket], Any]) -> Start:
@@ -191,7 +190,7 @@ def _compressed(hook: Callable[[Any, dist.GradBucket], Any]) -> Start:
 
 
 def _cerar(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, call: CommStats) -> Any:
-    from cerar.comm.collective import all_reduce
+    from cerar.comm.collective.api import all_reduce
 
     packet = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[candidate.wire]
     # 16-bit packets after another method ran the bucket (a trial, a verification's change):
@@ -229,8 +228,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     """
     if not isinstance(state, AutoState):
         raise TypeError(
-            f"Argument 'state' of cerar's auto hook must be a cerar.ddp.AutoState "
-            f"(CerarState(method='auto')), not {type(state).__name__}."
+            f"Argument 'state' of cerar's auto hook must be a cerar.ddp.AutoState, not {type(state).__name__}."
         )
     buffer = bucket.buffer()
     group = state.resolve_group(True, buffer.dtype)
@@ -295,7 +293,7 @@ def _chain(
                 result = _tensor(fut.value())
                 seconds = share
             except Exception as exc:
-                from cerar.comm.handshake import SettingsMismatchError
+                from cerar.comm.ring.handshake import SettingsMismatchError
 
                 if not isinstance(exc, SettingsMismatchError):
                     raise
@@ -334,7 +332,6 @@ def _tensor(value: Any) -> torch.Tensor:
 def _exact_on_side_group(state: AutoState, buffer: torch.Tensor) -> torch.Tensor:
     """The exact average on the side group (the failed call ran on cerar's thread, whose order
     is the same on every rank; DDP's group may be busy with other buckets from another thread)."""
-    assert state._agreement is not None and state.world_size is not None
-    buffer.div_(state.world_size)
-    dist.all_reduce(buffer, group=state._agreement.group)
+    assert state._agreement is not None
+    exact_all_reduce(buffer, state._agreement.group, average=True)
     return buffer

@@ -3,7 +3,7 @@
 
 CERAR's ranks decode slightly different approximations of the gradient sum, so replicas that
 start equal drift apart slowly; :class:`ReplicaSync`, the part of
-:class:`cerar.comm.ddp.CerarState` that holds the model-side schedule, uses these two to measure
+:class:`cerar.comm.ddp.hooks.CerarState` that holds the model-side schedule, uses these two to measure
 the drift and re-synchronise on a schedule or a threshold. Both are collectives on ``group``.
 """
 
@@ -84,7 +84,7 @@ def resync(
 
 class ReplicaSync:
     """Re-synchronisation on a schedule or a divergence threshold: the part of
-    :class:`cerar.comm.ddp.CerarState` that needs the model (a mixin, without slots of its own).
+    :class:`cerar.comm.ddp.hooks.CerarState` that needs the model (a mixin, without slots of its own).
 
     It reads ``process_group``, ``resync_every`` and ``divergence_tol``, and keeps ``steps``,
     ``resyncs``, ``resync_s``, ``last_divergence`` and ``max_divergence``.

@@ -1,0 +1,1 @@
+"""The public collectives (``cerar.all_reduce``, ``cerar.hierarchical_all_reduce``), their checks and bodies."""

@@ -1,0 +1,187 @@
+"""The bodies of cerar's calls, shared by the flat collectives (:mod:`cerar.comm.collective.api`) and
+the hierarchical ones (:mod:`cerar.comm.collective.hierarchical`); they run on the communication
+thread.
+
+* :func:`call_context` opens a call: its number on the group (counted first), its statistics
+  (timed and recorded even when the call fails) and the contiguous working copy, written back on
+  success (:class:`Working`);
+* :func:`cerar_call` and :func:`ring_call` are one call each, top to bottom: the handshake, the
+  packet scale (:class:`cerar.comm.kernels.scale.PacketScale`), the rounds, the redo, the
+  non-finite policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from cerar.coding.code import Code
+from cerar.coding.scaling import ring_needs_scale, ring_scale_exponent
+from cerar.comm.collective.codes import resolve_code
+from cerar.comm.kernels import native
+from cerar.comm.kernels.cerar_run import CerarRun
+from cerar.comm.kernels.ring_run import run_ring
+from cerar.comm.kernels.scale import PacketScale
+from cerar.comm.ring.groups import count_call, group_state
+from cerar.comm.ring.handshake import Proposal, handshake, open_handshake, settings_hash
+from cerar.comm.ring.links import Ring
+from cerar.comm.ring.maxima import max_abs
+from cerar.comm.ring.stats import CommStats
+
+__all__ = ["NonFiniteError", "Working", "call_context", "cerar_call", "ring_call"]
+
+
+class NonFiniteError(ValueError):
+    """Some rank's input held NaN or Inf and the policy was ``nonfinite="raise"``."""
+
+
+@contextlib.contextmanager
+def call_context(
+    tensor: torch.Tensor, ring: Ring, stats: CommStats | None
+) -> Iterator[tuple[torch.Tensor, CommStats, int]]:
+    """One call on the communication thread: ``(flat working tensor, its CommStats, its number
+    on the group)``. The number is taken first; the statistics are timed and added to the
+    group's (and ``stats``) even when the call fails; the result is written back on success."""
+    counter = count_call(ring.group)
+    started = time.perf_counter()
+    call = CommStats(calls=1)
+    try:
+        with Working(tensor) as flat:
+            yield flat, call, counter
+    finally:
+        call.wall_s = time.perf_counter() - started
+        group_state(ring.group).stats.add(call)
+        if stats is not None:
+            stats.add(call)
+
+
+def cerar_call(
+    tensor: torch.Tensor,
+    op: str,
+    ring: Ring,
+    code: Code | None,
+    nonfinite: str,
+    stats: CommStats | None,
+    packet_dtype: torch.dtype | None = None,
+    fresh_scale: bool = False,
+) -> None:
+    with call_context(tensor, ring, stats) as (flat, call, counter):
+        if ring.size == 1:
+            return
+        packet = packet_dtype or flat.dtype
+        code = code if code is not None else resolve_code(ring.size, tensor.dtype, packet_dtype)
+        # The caller's dtype, not the working copy's: a float16 tensor on one rank and a bfloat16
+        # one on another share the float32 copy, but their sum means nothing.
+        identity = ("cerar", code.fingerprint, str(tensor.dtype), str(packet), flat.numel(), op, nonfinite)
+        settings = settings_hash(identity)
+        scale = PacketScale(ring, code, flat, packet, fresh_scale)
+        summary = _Summary(code, tensor.dtype, packet, flat.numel(), op, nonfinite)
+        # A layout every rank has completed before has the same scale everywhere: its round 1 leaves
+        # beside the handshake's last hops (cerar.comm.ring.handshake). CPU only: on an accelerator
+        # the check of the neighbours' headers would wait for the device inside the round loop.
+        agreed = group_state(ring.group).agreed
+        beside = not fresh_scale and scale.remembered is not None and (scale.key, settings) in agreed
+        beside = beside and flat.device.type == "cpu"
+        native.warm(flat.device, flat.dtype)  # a machine's first build, before the ranks line up
+        if beside:
+            summary.agreement = f", agreed layout at packet scale 2**{scale.exponent}"
+            settings_now = settings_hash((*identity, "agreed", scale.exponent))
+            gate = open_handshake(ring, settings_now, counter, summary, device=flat.device, stats=call)
+        else:
+            proposal = scale.proposal(flat)
+            scale.agree(handshake(ring, settings, counter, summary, proposal, device=flat.device, stats=call))
+            gate = None
+        run = CerarRun.for_call(flat, code, ring, scale, packet)
+        outcome = run.run(call, flat, scale, nonfinite == "ignore", gate)
+        if not outcome.written and outcome.finite:
+            # The packets left the format's safe range at this scale (the same finding on every
+            # rank, and every input is intact): redo the call at a scale that fits.
+            scale.redo(outcome.largest)
+            call.rescales += 1
+            outcome = CerarRun.for_call(flat, code, ring, scale, packet).run(call, flat, scale)
+        scale.remember(outcome.largest, outcome.written)
+        agreed.add((scale.key, settings))
+        if not outcome.finite:
+            call.nonfinite_events += 1
+        if not outcome.written:  # NaN/Inf: the same list on every rank, every input intact
+            _nonfinite(outcome.maxima, nonfinite, flat, ring, call)
+        if op == "avg":
+            flat.div_(ring.size)
+
+
+class _Summary:
+    """A CERAR call's settings as text, made only on a mismatch (the handshake calls it)."""
+
+    def __init__(self, code: Code, dtype: torch.dtype, packet: torch.dtype, size: int, op: str, policy: str) -> None:
+        self.fields, self.agreement = (code, dtype, packet, size, op, policy), ""
+
+    def __call__(self) -> str:
+        code, dtype, packet, size, op, policy = self.fields
+        return (
+            f"{code.describe()}, values {dtype}, packets {packet}, size {size}, op {op}, "
+            f"nonfinite={policy!r}{self.agreement}"
+        )
+
+
+def _nonfinite(maxima: list[float], policy: str, flat: torch.Tensor, ring: Ring, call: CommStats) -> None:
+    """A call whose input held NaN/Inf on some rank and was not decoded: raise, or the exact ring."""
+    if policy == "raise":
+        flagged = [r for r, v in enumerate(maxima) if not math.isfinite(v)]
+        raise NonFiniteError(
+            f"cerar.all_reduce: NaN or Inf in the input of rank(s) {flagged} "
+            f"(group ranks); CERAR's mixing would spread it across its column (all c components) "
+            f"on every rank. Pass nonfinite='exact' to fall back to the exact ring instead."
+        )
+    call.fallbacks += 1
+    run_ring(flat, ring, call)
+
+
+def ring_call(
+    tensor: torch.Tensor,
+    op: str,
+    ring: Ring,
+    wire_dtype: torch.dtype | None,
+    stats: CommStats | None,
+) -> None:
+    with call_context(tensor, ring, stats) as (flat, call, counter):
+        if ring.size == 1:
+            return
+        wire = wire_dtype or flat.dtype
+        identity = ("ring", str(tensor.dtype), str(wire), flat.numel(), op)
+        summary = f"exact ring, values {tensor.dtype}, wire {wire}, size {flat.numel()}, op {op}"
+        # A wire narrower than the data (float16 always; bfloat16 or float32 for float64 data,
+        # bfloat16 for float32 data) needs every rank's largest magnitude before its first
+        # round: one pass here (aminmax), carried by the handshake; NaN/Inf make it infinite and
+        # the scaling is skipped.
+        needs_scale = ring_needs_scale(flat.dtype, wire)
+        proposal = Proposal(max_abs(flat) if needs_scale else 0.0)
+        agreed = handshake(ring, settings_hash(identity), counter, summary, proposal, device=flat.device, stats=call)
+        exponent = ring_scale_exponent(ring.size, agreed.max_abs, flat.dtype, wire) if needs_scale else 0
+        run_ring(flat, ring, call, wire_dtype=wire_dtype, scale_exponent=exponent)
+        if op == "avg":
+            flat.div_(ring.size)
+
+
+class Working:
+    """The contiguous float32/float64 1-d tensor the ring works on, written back on exit."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        native = tensor.dtype in (torch.float32, torch.float64)
+        if native and tensor.is_contiguous():
+            self.flat, self.copy = tensor.view(-1), False
+        else:
+            dtype = tensor.dtype if native else torch.float32
+            self.flat, self.copy = tensor.reshape(-1).to(dtype=dtype, copy=True), True
+
+    def __enter__(self) -> torch.Tensor:
+        return self.flat
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if self.copy and exc_type is None:
+            self.tensor.copy_(self.flat.view(self.tensor.shape))
