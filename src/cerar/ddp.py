@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from cerar._checks import check_choice
 from cerar.comm.auto.ddp import AutoState, AutoStep, auto_hook
-from cerar.comm.auto.engine import AutoConfig
 from cerar.comm.auto.pins import PinnedTable
+from cerar.comm.auto.tournament import AutoConfig
 from cerar.comm.ddp.hooks import *  # noqa: F403 (the public names, listed in its __all__)
 from cerar.comm.ddp.hooks import __all__ as _HOOKS_ALL
 from cerar.comm.ddp.hooks import cerar_hook, hier_cerar_hook, hier_ring_hook, ring_hook

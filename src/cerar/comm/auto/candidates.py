@@ -1,34 +1,11 @@
-"""The candidates of ``method="auto"``: each way to all-reduce a bucket, with the rounds, the bytes
-and the predicted worst-rank error the decision needs.
-
-==============  ==================================================  ==============================
-name            what runs                                           predicted worst-rank error
-==============  ==================================================  ==============================
-``exact``       ``torch.distributed.all_reduce`` (float32)          ``u32 sqrt((N+1)/2)``, ~1e-7
-``fp16``        a float16 ring: in DDP torch's                      ``u16 sqrt((N+1)/2)``: 7.7e-4
-                ``fp16_compress_hook`` (cast, ``dist.all_reduce``),  at N = 4
-                in the collective ``cerar.ring_all_reduce(...,
-                wire_dtype=torch.float16)`` (scaled, float32 sums)
-``bf16``        the same with bfloat16                              ``u_bf16 sqrt((N+1)/2)``: 6.2e-3
-``cerar``       CERAR, float32 packets, the library's default       ``Code.predicted_worst_error``:
-                code (``codes.choose`` at ``min(max_error, 1e-3)``)  1.8e-4 at N = 4 (c = 8)
-``cerar-fp16``  CERAR, float16 packets, the default 16-bit code     1.6e-2 at N = 4 (c = 8)
-``cerar-bf16``  CERAR, bfloat16 packets                             4.5e-2 at N = 4 (c = 8)
-==============  ==================================================  ==============================
-
-The 16-bit rings' error, derived: a ring rounds each partial sum it sends, the sum of ``k`` of
-the ``N`` inputs at hop ``k = 1 .. N-1`` of the reduce-scatter and the whole sum once more for the
-all-gather. A rounding to nearest changes a value by at most ``u`` of itself (``u = 2**-11`` for
-float16, ``2**-8`` for bfloat16, ``2**-24`` for float32), independently per value, so for i.i.d.
-inputs (``||P_k||^2 = k ||X||^2``, ``||S||^2 = N ||X||^2``) the relative error is at most
-``u sqrt((1 + 2 + ... + (N-1) + N) / N) = u sqrt((N+1)/2)``. It bounds the measured one (3.3e-4
-for float16 at N = 4, ``docs/results.md``): the typical rounding is ``u / sqrt(3)``, not ``u``.
-
-``max_error`` keeps the candidates predicted at or below it; ``exact`` is always kept, the
-reference the others are judged against. By default the bfloat16 variants are left out: they send
-the bytes of the float16 ones and err more (add them with ``AutoConfig(candidates=...)``). A CERAR
-candidate whose code is the exact one (``c = N``, as at ``N = 2``) is left out too: it is the ring
-with CERAR's extra rounds. No torch here: the hooks map the names to calls.
+"""The candidates of ``method="auto"``: each way to all-reduce, with the rounds, the bytes and the
+predicted worst-rank error that the budget, the tournament's order and ``cerar plan`` need
+(``docs/auto.md`` tabulates them). ``exact`` is always admitted, the reference; the bfloat16
+variants (the bytes of float16, more error) only when listed; a CERAR candidate whose code is
+the exact one (``c = N``, as at ``N = 2``) is left out (it is the ring with CERAR's extra
+rounds). The 16-bit rings' error: a ring rounds each partial sum it sends (``k`` of the ``N``
+inputs at hop ``k``) and the sum once more for the all-gather, each rounding within ``u`` of the
+value, so for i.i.d. inputs the relative error is at most ``u sqrt((N+1)/2)``. No torch here.
 """
 
 from __future__ import annotations
@@ -60,8 +37,6 @@ CANDIDATE_NAMES = ("exact", "fp16", "bf16", "cerar", "cerar-fp16", "cerar-bf16")
 DEFAULT_CANDIDATES = ("exact", "fp16", "cerar", "cerar-fp16")
 #: The exact and 16-bit rings: the baselines CERAR must beat by the margin.
 BASELINE_NAMES = ("exact", "fp16", "bf16")
-#: The float32 CERAR candidate's error budget never exceeds the library default's.
-FLOAT32_BUDGET = 1e-3
 
 
 def ring_error(world_size: int, precision: str) -> float:
@@ -204,8 +179,10 @@ def _code(n: int, wire: str, limit: float | None, fast_codes: bool) -> Code:
 
     if fast_codes:
         return codes.perturbed(n, 2 * n, None, wire, max_error=None)
-    if wire == "fp32":
-        budget = FLOAT32_BUDGET if limit is None else min(limit, FLOAT32_BUDGET)
-        return codes.choose(n, "fp32", error_budget=budget)
+    if wire == "fp32":  # the library's default code, or a more accurate one where the budget asks
+        default = codes.choose(n, "fp32")
+        if limit is None or default.predicted_worst_error("fp32") <= limit:
+            return default
+        return codes.choose(n, "fp32", limit)
     # The default 16-bit code: optimized(N, 2N, precision), as cerar.all_reduce picks it.
     return codes.optimized(n, 2 * n, wire, max_error=None)

@@ -1,37 +1,27 @@
-"""``method="auto"`` for DDP: :class:`AutoState` and :func:`auto_hook` send each gradient bucket
-by the fastest method within the error budget, decided from measured steps, the same on every rank.
+"""``method="auto"`` for DDP: :class:`AutoState` and :func:`auto_hook` send every bucket of a step by
+the winner of a :class:`cerar.comm.auto.tournament.Tournament` over whole steps.
 
     >>> state = cerar.ddp.AutoState(max_error=1e-3)
-    >>> ddp_model.register_comm_hook(state, cerar.ddp.auto_hook)  # or get_hook("auto")
+    >>> ddp_model.register_comm_hook(state, cerar.ddp.auto_hook)
 
 The candidates (:mod:`cerar.comm.auto.candidates`): ``exact`` (DDP's default all-reduce),
 ``fp16`` (torch's ``fp16_compress_hook``), CERAR with float32 and with float16 packets; those
-predicted above ``max_error`` are left out. The schedule, the agreement and the decision are
-:class:`cerar.comm.auto.engine.AutoEngine`'s: exact warm-up steps, whole trial steps of each
-candidate (one whose steps are far slower than an earlier one's is cut short), then per bucket
-the smallest predicted time (CERAR only by a margin over the best exact/16-bit ring), verified
-online by the steps. A step is timed from the end of the step before to its last bucket's
-completion (the moment the ranks' last collective ends, about the same on every rank). The
-measured time of a bucket, which fits the cost model, is its share of the link
-(:class:`cerar.comm.auto.link.LinkClock`): from when its transport serves it (cerar's thread one
-call at a time, Gloo's threads a few) to its completion, with the time it overlapped other calls
-split among them. The engine's collectives run on a side Gloo group created with the
-hook's own group at the first bucket, never on DDP's group.
-
-``state.last_step`` (an :class:`AutoStep`) lists per bucket the method, the reason, and the
-predicted and measured seconds; ``state.plan`` the current choices, ``state.decisions`` every
-decision. An error raised when a candidate's call starts (an argument or code check, the same on
-every rank), or a :class:`cerar.SettingsMismatchError` from its handshake (raised on every rank
-before any data moves, the input intact), sends that bucket through the exact all-reduce instead
-(``"fallback"``) and rules the candidate out at the next decision.
+predicted above ``max_error`` are left out. A step is timed from the end of the step before to
+its last bucket's completion (forward, backward and the optimizer: what the method costs the
+step); every bucket of a step goes by the step's candidate, except buckets under
+``min_bucket_bytes`` (exact) and buckets a pinned row holds (its first matching candidate
+unless the step's matches). The ranks agree the settings at the first bucket and each round's
+times on a side Gloo group made with the hook's own group; DDP rebuilding its buckets starts a
+duel. A candidate that fails to start, or whose handshake finds a mismatch, sends that bucket
+exact and is out. ``state.last_step.buckets`` says where each bucket went and why.
 """
 
 # No ``from __future__ import annotations``: DDP inspects the hook's annotations.
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,32 +29,36 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from cerar.coding.code import MAX_ERROR, check_max_error
 from cerar.comm.auto.candidates import Candidate, build_candidates
-from cerar.comm.auto.engine import AutoConfig, AutoEngine, SideGroup, new_side_group
-from cerar.comm.auto.link import LinkClock
-from cerar.comm.auto.model import Choice
+from cerar.comm.auto.side import SideGroup
+from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
+from cerar.comm.collective.api import all_reduce
+from cerar.comm.collective.call import NonFiniteError
+from cerar.comm.ddp.checkpoint import SETTINGS, Setting
 from cerar.comm.ddp.state import CerarState, logger
 from cerar.comm.ring.exact import exact_all_reduce
+from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.stats import CommStats
 
-__all__ = ["AutoState", "AutoStep", "BucketRecord", "auto_hook"]
+__all__ = ["AUTO_STATE_DICT_FORMAT", "AutoState", "AutoStep", "BucketRecord", "auto_hook"]
+
+AUTO_STATE_DICT_FORMAT = "cerar.comm.auto.ddp.AutoState/1"
 
 
 @dataclass(frozen=True)
 class BucketRecord:
-    """What auto did with one bucket of a step."""
+    """What auto did with one bucket of a step: its method, why (``warmup``, ``trial``, ``duel``,
+    ``decided``, ``small``, ``pinned``, ``fallback``, ``sparse``) and its own wall time."""
 
     index: int
     numel: int
     bytes: int
     method: str
     reason: str
-    predicted_s: float | None
-    measured_s: float | None
+    seconds: float | None
 
 
 class AutoStep(CommStats):
-    """A step's :class:`CommStats` (the transport's figures, as ``CerarState.last_step``) plus
-    ``buckets``, a :class:`BucketRecord` per bucket in completion order."""
+    """A step's :class:`CommStats` plus ``buckets``, a :class:`BucketRecord` per bucket."""
 
     def __init__(self, **counts: Any) -> None:
         super().__init__(**counts)
@@ -74,32 +68,47 @@ class AutoStep(CommStats):
         return [asdict(b) for b in self.buckets]
 
 
+def _config_dict(config: AutoConfig) -> dict[str, Any]:
+    values = {f.name: getattr(config, f.name) for f in fields(AutoConfig)}
+    return {**values, "pins": config.pins.text(), "candidates": list(config.candidates)}
+
+
+def _config_from(value: Any) -> AutoConfig:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected the dict of an AutoConfig, not {type(value).__name__}")
+    return AutoConfig(**{**value, "candidates": tuple(value.get("candidates", ()))})
+
+
 class AutoState(CerarState):
-    """A :class:`CerarState` whose hook decides each bucket's method (see the module doc).
+    """A :class:`CerarState` whose hook (:func:`auto_hook`) chooses the method (see the module doc).
 
     Args:
         process_group, nonfinite, resync_every, divergence_tol, on_step: as :class:`CerarState`
-            (``nonfinite`` applies to the CERAR candidates).
-        max_error: the error budget: candidates whose predicted worst-rank error exceeds it are
-            left out (``None``: none); default :data:`cerar.coding.code.MAX_ERROR` (0.1), which
-            admits 16-bit CERAR. ``1e-3`` keeps the exact and float16 rings and float32 CERAR.
-        auto: an :class:`cerar.comm.auto.engine.AutoConfig` (schedule, margin, hysteresis,
-            candidates, pinned table); default ``AutoConfig()``.
+            (``nonfinite`` holds whichever candidate runs: under ``"raise"`` a ring's non-finite
+            sum, the same on every rank, raises :class:`cerar.NonFiniteError`).
+        max_error: the error budget: candidates predicted above it are left out (``None``: none);
+            default :data:`cerar.coding.code.MAX_ERROR` (0.1), which admits 16-bit CERAR.
+            ``1e-3`` keeps the exact and float16 rings and float32 CERAR.
+        auto: an :class:`cerar.comm.auto.tournament.AutoConfig` (trials, margin, recheck_every,
+            pins, candidates); default ``AutoConfig()``.
+        min_bucket_bytes: buckets smaller than this go exact (default 0: every bucket competes).
 
-    Attributes: those of :class:`CerarState` (``min_bucket_bytes`` is 0: every bucket is decided),
-    plus ``max_error``, ``auto``, ``candidates`` and ``refused`` (the candidates within and
-    beyond the budget, known from the first bucket), ``engine``, ``torch_buckets`` and
-    ``torch_bytes`` (buckets sent by torch's all-reduce, and their bytes by the ring formula).
+    Attributes: those of :class:`CerarState`, plus ``max_error``, ``auto``, ``candidates`` (within
+    the budget, known from the first bucket), ``tournament``, ``plan`` (the current method) and
+    ``decisions`` (the tournament's history).
     """
 
-    __slots__ = (
-        "_agreement", "_in_pass", "_last_method", "_link", "auto", "candidates", "engine", "max_error", "refused",
-        "torch_buckets", "torch_bytes",
-    )  # fmt: skip
+    __slots__ = ("_in_pass", "_last", "_run", "_step_end", "auto", "candidates", "max_error", "side", "tournament")
     _NOT_PICKLED = (
-        *CerarState._NOT_PICKLED, "_agreement", "_last_method", "_link", "candidates", "engine", "refused",
+        *CerarState._NOT_PICKLED, "_in_pass", "_last", "_run", "_step_end", "candidates", "side", "tournament",
     )  # fmt: skip
     _STEP_RECORD = AutoStep
+    _FORMAT = AUTO_STATE_DICT_FORMAT
+    _SETTINGS: ClassVar[dict[str, Setting]] = {
+        **{k: SETTINGS[k] for k in ("nonfinite", "min_bucket_bytes", "resync_every", "divergence_tol")},
+        "max_error": (lambda v: v, check_max_error),
+        "auto": (_config_dict, _config_from),
+    }
 
     def __init__(
         self,
@@ -107,100 +116,124 @@ class AutoState(CerarState):
         *,
         max_error: float | None = MAX_ERROR,
         auto: AutoConfig | None = None,
+        min_bucket_bytes: int = 0,
         **settings: Any,
     ) -> None:
-        for name in ("code", "packet_dtype", "min_bucket_bytes", "start_iter"):
+        for name in ("code", "packet_dtype", "start_iter"):
             if name in settings:
-                raise TypeError(f"Argument {name!r} does not apply to method 'auto' (it decides per bucket).")
+                raise TypeError(f"Argument {name!r} does not apply to AutoState (it chooses the method).")
         if auto is not None and not isinstance(auto, AutoConfig):
             raise TypeError(f"Argument 'auto' must be a cerar.ddp.AutoConfig or None, not {type(auto).__name__}.")
-        super().__init__(process_group, None, min_bucket_bytes=0, **settings)
+        super().__init__(process_group, None, min_bucket_bytes=min_bucket_bytes, **settings)
         self.max_error = check_max_error(max_error)
         self.auto: AutoConfig = auto if auto is not None else AutoConfig()
         self._forget()
-        self.torch_buckets = 0
-        self.torch_bytes = 0
 
     def _forget(self) -> None:
-        """What is rebuilt at the first bucket (after unpickling too)."""
+        """What the first bucket builds again (after unpickling or loading settings too)."""
         self.candidates: list[Candidate] | None = None
-        self.refused: list[Candidate] = []
-        self.engine: AutoEngine | None = None
-        self._agreement: SideGroup | None = None
-        self._in_pass = False
-        self._link = LinkClock()
-        self._last_method: dict[int, int] = {}  # bucket index -> the candidate of its last call
+        self.tournament: Tournament | None = None
+        self.side: SideGroup | None = None
+        self._run = Run(0, -1, 0)
+        self._in_pass = False  # a bucket of this backward pass was handed to the hook
+        self._step_end: float | None = None
+        self._last: dict[int, int] = {}  # bucket index -> the candidate of its last call
 
     def resolve_group(self, coded: bool = True, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
-        """The hook's group and, created right after it at the first bucket on every rank, the
-        side group, the candidates for the group's size and the engine."""
+        """The hook's group, and at the first bucket on every rank: the side group, the settings
+        agreed on it, the candidates and the tournament."""
         group = super().resolve_group(False, dtype)
-        if self.engine is None:
+        if self.tournament is None:
             assert self.world_size is not None
-            self._agreement = new_side_group(self.process_group)
-            self.candidates, self.refused = build_candidates(self.world_size, self.max_error, self.auto.candidates)
-            self.engine = AutoEngine(self.candidates, self.auto, self._agreement)
-            self._link = LinkClock({"cerar": 1, "torch": _torch_servers(group)})
+            if self.side is None:
+                self.side = SideGroup(self.process_group)
+            settings = {"max_error": self.max_error, "nonfinite": self.nonfinite, **_config_dict(self.auto)}
+            self.side.check("cerar.ddp.AutoState", {**settings, "min_bucket_bytes": self.min_bucket_bytes})
+            self.candidates, _ = build_candidates(self.world_size, self.max_error, self.auto.candidates)
+            self.auto.pins.check(self.candidates)
+            trials = self.auto.trials_for(steps=True)
+            self.tournament = Tournament(self.candidates, trials, self.auto.margin, self.auto.recheck_every)
         return group
 
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict(state_dict)
+        self._forget()  # the loaded settings take effect, agreed again, at the next bucket
+
     @property
-    def plan(self) -> list[dict[str, Any]]:
-        """The current choice per bucket (empty before the first decision)."""
-        return [] if self.engine is None else [self.engine.describe(s) for s in sorted(self.engine.plan)]
+    def plan(self) -> dict[str, Any]:
+        """The tournament's state (empty before the first bucket)."""
+        return {} if self.tournament is None else self.tournament.describe()
 
     @property
     def decisions(self) -> list[dict[str, Any]]:
-        """Every calibration, decision and verification so far, as plain values."""
-        return [] if self.engine is None else self.engine.history
+        return [] if self.tournament is None else self.tournament.history
 
     def __getstate__(self) -> dict[str, Any]:
-        names = CerarState.__slots__ + AutoState.__slots__
         skip = self._NOT_PICKLED + self._RESOLVED_AGAIN
         logger.warning("NOTE: process groups are not serialisable and are left out of the saved AutoState.")
-        return {k: getattr(self, k) for k in names if k not in skip}
+        return {k: getattr(self, k) for k in CerarState.__slots__ + AutoState.__slots__ if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._forget()  # the engine calibrates again, at the first bucket
+        self._forget()
 
     def __repr__(self) -> str:
-        names = None if self.candidates is None else [c.label for c in self.candidates]
         return (
-            f"AutoState(max_error={self.max_error}, candidates={names}, nonfinite={self.nonfinite!r}, "
-            f"resync_every={self.resync_every}, iteration={self.iteration}, resyncs={self.resyncs})"
+            f"AutoState(max_error={self.max_error}, auto={self.auto!r}, nonfinite={self.nonfinite!r}, "
+            f"plan={self.plan}, iteration={self.iteration}, resyncs={self.resyncs})"
         )
 
+    # -- one step --------------------------------------------------------------------------
 
-# ---------------------------------------------------------------------------------------------
-# The candidates' calls on one bucket: ``(state, candidate, bucket, comm group, stats) -> future``.
+    def begin_step(self) -> None:
+        """At a pass's first bucket: the round's agreement if due, then the step's run."""
+        assert self.tournament is not None and self.side is not None
+        if self.tournament.agree_due():
+            self.tournament.close_round(self.side.max)
+        self._run = self.tournament.next()
 
-Start = Callable[[AutoState, Candidate, dist.GradBucket, dist.ProcessGroup, CommStats], torch.futures.Future[Any]]
+    def candidate_for(self, nbytes: int) -> tuple[int, str]:
+        """The bucket's candidate and why: small, pinned, or the step's."""
+        assert self.tournament is not None and self.candidates is not None
+        if nbytes < self.min_bucket_bytes:
+            return 0, "small"
+        allowed, pinned = self.auto.pins.allowed(self.candidates, nbytes)
+        if pinned and self._run.candidate not in allowed:
+            return allowed[0], "pinned"
+        return self._run.candidate, self.tournament.phase
+
+    def end_step(self, now: float) -> None:
+        """The step's time, from the end of the step before (the warm-up step's is not used)."""
+        assert self.tournament is not None
+        previous, self._step_end = self._step_end, now
+        self.tournament.measured(self._run, math.inf if previous is None else now - previous)
 
 
-def _exact(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, call: CommStats) -> Any:
-    """DDP's default: divide, then ``dist.all_reduce`` on DDP's group."""
+# -- the candidates' calls: ``(state, candidate, bucket, comm group, stats, fresh) -> future`` ----
+
+Start = Callable[[AutoState, Candidate, dist.GradBucket, Any, CommStats, bool], torch.futures.Future[Any]]
+
+
+def _exact(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, *_: Any) -> Any:
     return exact_all_reduce(bucket.buffer(), state.process_group, average=True, async_op=True)
 
 
 def _compressed(hook: Callable[[Any, dist.GradBucket], Any]) -> Start:
-    def start(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, call: CommStats) -> Any:
+    def start(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, *_: Any) -> Any:
         return hook(state.process_group, bucket)  # torch's fp16/bf16_compress_hook
 
     return start
 
 
-def _cerar(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, call: CommStats) -> Any:
-    from cerar.comm.collective.api import all_reduce
-
+def _cerar(
+    state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, call: CommStats, fresh: bool
+) -> Any:
     packet = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[candidate.wire]
-    # 16-bit packets after another method ran the bucket (a trial, a verification's change):
-    # the scale remembered from its last CERAR call may no longer fit the gradients, and the call
-    # would be redone, so this one takes its scale from its data. Every rank switches at the
-    # same step (the engine's schedule is agreed), so every rank passes the same flag.
-    fresh = packet is not None and state._last_method.get(bucket.index()) != state.candidates.index(candidate)
+    # 16-bit packets after another method ran the bucket take their scale from its data: the one
+    # its last CERAR call left may no longer fit (every rank switches at the same step).
     work = all_reduce(
         bucket.buffer(), "avg", group, True, code=candidate.code, nonfinite=state.nonfinite, packet_dtype=packet,
-        max_error=None, stats=call, fresh_scale=fresh,
+        max_error=None, stats=call, fresh_scale=fresh and packet is not None,
     )  # fmt: skip
     return work.get_future()
 
@@ -217,121 +250,83 @@ STARTS: dict[str, Start] = {
 
 
 def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average ``bucket`` by the method the state's engine chooses for it, asynchronously.
+    """Average ``bucket`` by the method of the state's tournament for this step, asynchronously.
 
-    1. At a pass's first bucket the engine begins the step (at its decision points the ranks
-       agree their measurements on the side group and decide).
-    2. The engine names the bucket's candidate; it starts; a start that raises ValueError or
-       TypeError goes exact instead.
-    3. When it completes, its service time is measured and recorded, a handshake mismatch is
-       redone exactly on the side group, and the bucket's record joins ``state.last_step``.
+    1. At a pass's first bucket the state begins the step (the ranks agree a finished round).
+    2. The bucket's candidate starts; one that raises ValueError or TypeError starting (the same
+       on every rank, before any data moved) is out, and the bucket goes exact.
+    3. When it completes, a handshake mismatch (every input intact) is redone exactly on the side
+       group and the candidate is out; the bucket's record joins ``state.last_step``, and the
+       step's last bucket ends the step's time.
     """
     if not isinstance(state, AutoState):
-        raise TypeError(
-            f"Argument 'state' of cerar's auto hook must be a cerar.ddp.AutoState, not {type(state).__name__}."
-        )
+        raise TypeError(f"Argument 'state' of cerar's auto hook must be an AutoState, not {type(state).__name__}.")
     buffer = bucket.buffer()
     group = state.resolve_group(True, buffer.dtype)
-    engine = state.engine
-    assert engine is not None and state.candidates is not None
-    step = state.iteration
+    tournament, candidates = state.tournament, state.candidates
+    assert tournament is not None and candidates is not None
+    index, nbytes = bucket.index(), buffer.numel() * buffer.element_size()
     if buffer.layout != torch.strided:  # sparse: DDP's default, as cerar_hook does
         state.bucket_started(bucket.is_last())
         state.sparse_buckets += 1
-        return _chain(state, bucket, _exact(state, state.candidates[0], bucket, group, CommStats()), step)
+        future, k, reason = _exact(state, candidates[0], bucket, group, CommStats(), False), 0, "sparse"
+        return _chain(state, bucket, future, candidates[0], reason, None)
     if not state._in_pass:
-        state._in_pass = True
-        engine.begin_step(step, time.perf_counter())
-    nbytes = buffer.numel() * buffer.element_size()
-    choice = engine.choose(step, bucket.index(), buffer.numel(), nbytes)
-    state.bucket_started(bucket.is_last())
+        state.begin_step()
     state._in_pass = not bucket.is_last()
-    bucket_stats = state.note_bucket(bucket.index(), buffer.numel())
-    call = CommStats()
-    started = time.perf_counter()
+    if index in state.bucket_numel and state.bucket_numel[index] != buffer.numel():
+        tournament.recheck()  # DDP rebuilt its buckets: the winner duels again from the next step
+    k, reason = state.candidate_for(nbytes)
+    state.bucket_started(bucket.is_last())
+    bucket_stats, call = state.note_bucket(index, buffer.numel()), CommStats()
     try:
-        candidate = state.candidates[choice.candidate]
         try:
-            future = STARTS[candidate.name](state, candidate, bucket, group, call)
+            future = STARTS[candidates[k].name](state, candidates[k], bucket, group, call, state._last.get(index) != k)
         except (ValueError, TypeError) as exc:  # before any data moved, the same on every rank
-            logger.warning("cerar auto: %s failed to start (%s); this bucket goes exact.", candidate.label, exc)
-            engine.measured(step, bucket.index(), choice.candidate, math.inf)
-            choice, candidate = Choice(0, "fallback"), state.candidates[0]
-            future = _exact(state, candidate, bucket, group, call)
+            logger.warning("cerar auto: %s failed to start (%s); this bucket goes exact.", candidates[k].label, exc)
+            tournament.failed(k)
+            k, reason = 0, "fallback"
+            future = _exact(state, candidates[0], bucket, group, call, False)
     except BaseException:
         state.bucket_done(None, None)
         raise
-    state._last_method[bucket.index()] = state.candidates.index(candidate)
-    if candidate.transport == "torch":
-        state.torch_buckets += 1
-        state.torch_bytes += round(candidate.bytes_per_value * buffer.numel())
-    token = state._link.launch(candidate.transport, started)
-    return _chain(state, bucket, future, step, (choice, token, call, bucket_stats))
+    state._last[index] = k
+    return _chain(state, bucket, future, candidates[k], reason, (call, bucket_stats))
 
 
 def _chain(
-    state: AutoState, bucket: dist.GradBucket, future: Any, step: int, launched: Any = None
+    state: AutoState, bucket: dist.GradBucket, future: Any, candidate: Candidate, reason: str, stats: Any
 ) -> torch.futures.Future[Any]:
-    """The bookkeeping after a bucket's future: measurement, record, the step's statistics, and
-    the step's end for the engine when this bucket was its last (``launched`` None: sparse)."""
-
-    def close(call: CommStats | None, bucket_stats: CommStats | None) -> None:
-        if state.bucket_done(call, bucket_stats) and state.engine is not None:
-            state.engine.end_step(step, time.perf_counter())
+    """What follows a bucket's call: the fall-back after a mismatch, the non-finite check of a
+    ring's sum, the record, and the step's end after its last bucket."""
+    started = time.perf_counter()
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        if launched is None:  # sparse
-            try:
-                return _tensor(fut.value())
-            finally:
-                close(None, None)
-        choice, token, call, bucket_stats = launched
-        share = state._link.done(token, time.perf_counter())  # also when the call failed
-        engine = state.engine
+        nonlocal reason
+        call, bucket_stats = stats if stats is not None else (None, None)
         try:
             try:
-                result = _tensor(fut.value())
-                seconds = share
-            except Exception as exc:
-                from cerar.comm.ring.handshake import SettingsMismatchError
-
-                if not isinstance(exc, SettingsMismatchError):
-                    raise
-                result, seconds = _exact_on_side_group(state, bucket.buffer()), math.inf
-                choice = Choice(0, "fallback", baseline=choice.baseline)
-                engine.measured(step, bucket.index(), launched[1].candidate, seconds)
-            else:
-                engine.measured(step, bucket.index(), choice.candidate, seconds)
+                value = fut.value()
+                result = value[0] if isinstance(value, list) else value
+            except SettingsMismatchError:  # raised on every rank before any data moved
+                assert state.side is not None and state.tournament is not None and state.candidates is not None
+                state.tournament.failed(state.candidates.index(candidate))
+                result, reason = bucket.buffer(), "fallback"
+                exact_all_reduce(result, state.side.group, average=True)
+            if state.nonfinite == "raise" and candidate.baseline and not bool(torch.isfinite(result).all()):
+                raise NonFiniteError(
+                    f"cerar auto: the {candidate.label} average of bucket {bucket.index()} is not finite (some rank's "
+                    "gradient held NaN or Inf, or the sum overflowed)."
+                )
             record = BucketRecord(
-                bucket.index(), bucket.buffer().numel(), bucket.buffer().numel() * bucket.buffer().element_size(),
-                state.candidates[choice.candidate].label, choice.reason, choice.predicted_s,
-                seconds if math.isfinite(seconds) else None,
+                bucket.index(), result.numel(), result.numel() * result.element_size(),
+                candidate.label if reason != "fallback" else "exact", reason, time.perf_counter() - started,
             )  # fmt: skip
             with state._lock:
                 state._step.buckets.append(record)  # type: ignore[attr-defined]
             return result
         finally:
-            close(call, bucket_stats)
+            if state.bucket_done(call, bucket_stats):
+                state.end_step(time.perf_counter())
 
     return future.then(finish)
-
-
-def _torch_servers(group: dist.ProcessGroup) -> int:
-    """How many of torch's collectives on ``group`` run at once: Gloo's threads (two by
-    default), one on a backend without that option (NCCL's stream)."""
-    try:
-        return max(1, int(group._get_backend(torch.device("cpu")).options._threads))
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return 1
-
-
-def _tensor(value: Any) -> torch.Tensor:
-    return value[0] if isinstance(value, list) else value
-
-
-def _exact_on_side_group(state: AutoState, buffer: torch.Tensor) -> torch.Tensor:
-    """The exact average on the side group (the failed call ran on cerar's thread, whose order
-    is the same on every rank; DDP's group may be busy with other buckets from another thread)."""
-    assert state._agreement is not None
-    exact_all_reduce(buffer, state._agreement.group, average=True)
-    return buffer

@@ -78,7 +78,7 @@ class PinnedTable:
             try:
                 rows.append(_row(line))
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"Argument 'pinned' line {number} ({raw.strip()!r}): {exc}") from None
+                raise ValueError(f"Argument 'pins' line {number} ({raw.strip()!r}): {exc}") from None
         return cls(tuple(rows))
 
     @classmethod
@@ -92,11 +92,15 @@ class PinnedTable:
         if isinstance(source, Path) or (isinstance(source, str) and "," not in source and "\n" not in source):
             path = Path(source)
             if not path.is_file():
-                raise ValueError(f"Argument 'pinned' must be a table or a file holding one, not {str(source)!r}.")
+                raise ValueError(f"Argument 'pins' must be a table or a file holding one, not {str(source)!r}.")
             return cls.parse(path.read_text())
         if isinstance(source, str):
             return cls.parse(source)
-        raise TypeError(f"Argument 'pinned' must be a PinnedTable, a path, the table's text or None, not {source!r}.")
+        raise TypeError(f"Argument 'pins' must be a PinnedTable, a path, the table's text or None, not {source!r}.")
+
+    def text(self) -> str | None:
+        """The table as :meth:`parse` reads it (None for no rows)."""
+        return "\n".join(str(row) for row in self.rows) or None
 
     def row_for(self, nbytes: int) -> PinnedRow | None:
         """The first row whose range holds ``nbytes``, or None."""
@@ -121,7 +125,7 @@ def _matching(row: PinnedRow, candidates: Sequence[Candidate]) -> list[int]:
     if not matching:
         names = ", ".join(c.label for c in candidates)
         raise ValueError(
-            f"Argument 'pinned' row {str(row)!r} matches no candidate within the error budget (candidates: {names})."
+            f"Argument 'pins' row {str(row)!r} matches no candidate within the error budget (candidates: {names})."
         )
     return matching
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,12 +28,12 @@ from cerar.comm.kernels.cerar_run import CerarRun
 from cerar.comm.kernels.ring_run import run_ring
 from cerar.comm.kernels.scale import PacketScale
 from cerar.comm.ring.groups import count_call, group_state
-from cerar.comm.ring.handshake import Proposal, handshake, open_handshake, settings_hash
+from cerar.comm.ring.handshake import Proposal, Summary, handshake, open_handshake, settings_hash
 from cerar.comm.ring.links import Ring
 from cerar.comm.ring.maxima import max_abs
 from cerar.comm.ring.stats import CommStats
 
-__all__ = ["NonFiniteError", "Working", "call_context", "cerar_call", "ring_call"]
+__all__ = ["NonFiniteError", "Working", "agree_call", "call_context", "cerar_call", "ring_call"]
 
 
 class NonFiniteError(ValueError):
@@ -69,7 +69,10 @@ def cerar_call(
     stats: CommStats | None,
     packet_dtype: torch.dtype | None = None,
     fresh_scale: bool = False,
+    context: Mapping[str, Any] | None = None,
 ) -> None:
+    """One CERAR call; ``context``: the settings of a layer above (``method="auto"``'s) that every
+    rank must share too, agreed in the same handshake and named first on a mismatch."""
     with call_context(tensor, ring, stats) as (flat, call, counter):
         if ring.size == 1:
             return
@@ -78,9 +81,10 @@ def cerar_call(
         # The caller's dtype, not the working copy's: a float16 tensor on one rank and a bfloat16
         # one on another share the float32 copy, but their sum means nothing.
         identity = ("cerar", code.fingerprint, str(tensor.dtype), str(packet), flat.numel(), op, nonfinite)
+        identity += _items(context)
         settings = settings_hash(identity)
         scale = PacketScale(ring, code, flat, packet, fresh_scale)
-        summary = _Summary(code, tensor.dtype, packet, flat.numel(), op, nonfinite)
+        summary = _Summary(code, tensor.dtype, packet, flat.numel(), op, nonfinite, context)
         # A layout every rank has completed before has the same scale everywhere: its round 1 leaves
         # beside the handshake's last hops (cerar.comm.ring.handshake). CPU only: on an accelerator
         # the check of the neighbours' headers would wait for the device inside the round loop.
@@ -115,17 +119,28 @@ def cerar_call(
 
 
 class _Summary:
-    """A CERAR call's settings as text, made only on a mismatch (the handshake calls it)."""
+    """A CERAR call's settings as text, made only on a mismatch (the handshake calls it); with a
+    caller's ``context``, as named settings, the context's first."""
 
-    def __init__(self, code: Code, dtype: torch.dtype, packet: torch.dtype, size: int, op: str, policy: str) -> None:
-        self.fields, self.agreement = (code, dtype, packet, size, op, policy), ""
+    def __init__(
+        self, code: Code, dtype: torch.dtype, packet: torch.dtype, size: int, op: str, policy: str,
+        context: Mapping[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        self.fields, self.context, self.agreement = (code, dtype, packet, size, op, policy), context, ""
 
-    def __call__(self) -> str:
+    def __call__(self) -> str | dict[str, Any]:
         code, dtype, packet, size, op, policy = self.fields
+        if self.context is not None:
+            return {**self.context, "method": code.describe(), "packets": packet}
         return (
             f"{code.describe()}, values {dtype}, packets {packet}, size {size}, op {op}, "
             f"nonfinite={policy!r}{self.agreement}"
         )
+
+
+def _items(context: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+    """A caller's settings as part of a call's identity (hashed)."""
+    return () if context is None else tuple((k, repr(v)) for k, v in context.items())
 
 
 def _nonfinite(maxima: list[float], policy: str, flat: torch.Tensor, ring: Ring, call: CommStats) -> None:
@@ -147,13 +162,17 @@ def ring_call(
     ring: Ring,
     wire_dtype: torch.dtype | None,
     stats: CommStats | None,
+    context: Mapping[str, Any] | None = None,
 ) -> None:
+    """One exact ring call (``context`` as :func:`cerar_call`'s)."""
     with call_context(tensor, ring, stats) as (flat, call, counter):
         if ring.size == 1:
             return
         wire = wire_dtype or flat.dtype
-        identity = ("ring", str(tensor.dtype), str(wire), flat.numel(), op)
-        summary = f"exact ring, values {tensor.dtype}, wire {wire}, size {flat.numel()}, op {op}"
+        identity = ("ring", str(tensor.dtype), str(wire), flat.numel(), op, *_items(context))
+        summary: Summary = f"exact ring, values {tensor.dtype}, wire {wire}, size {flat.numel()}, op {op}"
+        if context is not None:
+            summary = {**context, "method": f"ring, wire {wire}"}
         # A wire narrower than the data (float16 always; bfloat16 or float32 for float64 data,
         # bfloat16 for float32 data) needs every rank's largest magnitude before its first
         # round: one pass here (aminmax), carried by the handshake; NaN/Inf make it infinite and
@@ -165,6 +184,17 @@ def ring_call(
         run_ring(flat, ring, call, wire_dtype=wire_dtype, scale_exponent=exponent)
         if op == "avg":
             flat.div_(ring.size)
+
+
+def agree_call(ring: Ring, context: Mapping[str, Any], device: torch.device, stats: CommStats | None) -> None:
+    """The handshake alone, for a call whose data goes another way (``method="auto"``'s exact
+    candidate, torch's all-reduce): every rank agrees ``context`` and the call count first, so a
+    rank that differs raises :class:`SettingsMismatchError` everywhere before any data moves."""
+    call = CommStats()
+    identity = ("agreed", *_items(context))
+    handshake(ring, settings_hash(identity), count_call(ring.group), lambda: dict(context), device=device, stats=call)
+    if stats is not None:
+        stats.handshake_s += call.handshake_s
 
 
 class Working:

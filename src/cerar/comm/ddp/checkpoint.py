@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import Any
 
 from cerar._checks import check_choice, check_float, check_int
@@ -21,8 +22,9 @@ from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.ring.stats import CommStats
 
 __all__ = [
-    "KEYS",
+    "SETTINGS",
     "STATE_DICT_FORMAT",
+    "Setting",
     "check_count",
     "check_every",
     "check_packet_dtype",
@@ -40,26 +42,6 @@ PACKET_DTYPE_NAMES = (None, "float32", "float64", "float16", "bfloat16")
 COUNTERS = ("iteration", "steps", "resyncs", "sparse_buckets", "exact_buckets", "exact_bytes")
 SECONDS = ("resync_s",)
 DIVERGENCES = ("last_divergence", "max_divergence")
-#: Every key of a state_dict.
-KEYS = (
-    "format",
-    "code",
-    "nonfinite",
-    "packet_dtype",
-    "min_bucket_bytes",
-    "start_iter",
-    "resync_every",
-    "divergence_tol",
-    "rank",
-    "world_size",
-    "stats",
-    "last_step",
-    "bucket_numel",
-    "bucket_stats",
-    *COUNTERS,
-    *SECONDS,
-    *DIVERGENCES,
-)
 
 
 def check_count(name: str, value: Any) -> int:
@@ -77,63 +59,80 @@ def check_tol(name: str, value: Any) -> float | None:
     return None if value is None else check_float(name, value, positive=True)
 
 
-def to_state_dict(state: Any, rank: int | None, world_size: int | None) -> dict[str, Any]:
-    """The plain-valued ``state_dict`` of a CerarState (read, not changed), saved by ``rank``."""
-    out: dict[str, Any] = {
-        "format": STATE_DICT_FORMAT,
-        "code": None if state.code is None else json.loads(state.code.to_json()),
-        "nonfinite": state.nonfinite,
-        "packet_dtype": None if state.packet_dtype is None else str(state.packet_dtype).removeprefix("torch."),
-        "min_bucket_bytes": state.min_bucket_bytes,
-        "start_iter": state.start_iter,
-        "resync_every": state.resync_every,
-        "divergence_tol": state.divergence_tol,
+def _same(value: Any) -> Any:
+    return value
+
+
+#: A setting in a state_dict: how its value is saved (a plain value) and how a loaded one is
+#: checked (raising for a value the state's constructor would refuse).
+Setting = tuple[Callable[[Any], Any], Callable[[Any], Any]]
+
+#: CerarState's settings (``code`` is saved and checked apart: it must match the state's).
+SETTINGS: dict[str, Setting] = {
+    "nonfinite": (_same, lambda v: check_choice("nonfinite", v, NONFINITE_POLICIES)),
+    "packet_dtype": (lambda v: None if v is None else str(v).removeprefix("torch."), lambda v: _packet_dtype(v)),
+    "min_bucket_bytes": (_same, lambda v: check_count("min_bucket_bytes", v)),
+    "start_iter": (_same, lambda v: check_count("start_iter", v)),
+    "resync_every": (_same, lambda v: check_every("resync_every", v)),
+    "divergence_tol": (_same, lambda v: check_tol("divergence_tol", v)),
+}
+
+
+def to_state_dict(
+    state: Any, rank: int | None, world_size: int | None, form: str = STATE_DICT_FORMAT,
+    settings: Mapping[str, Setting] = SETTINGS,
+) -> dict[str, Any]:  # fmt: skip
+    """The plain-valued ``state_dict`` of a state (read, not changed), saved by ``rank``:
+    ``form`` and ``settings`` are its class's (:data:`STATE_DICT_FORMAT`, :data:`SETTINGS`)."""
+    out: dict[str, Any] = {"format": form}
+    if form == STATE_DICT_FORMAT:  # CerarState's own: its code (auto's state has none)
+        out["code"] = None if state.code is None else json.loads(state.code.to_json())
+    out.update({name: save(getattr(state, name)) for name, (save, _) in settings.items()})
+    out.update({
         "rank": rank,
         "world_size": world_size,
         "stats": state.stats.as_dict(),
         "last_step": None if state.last_step is None else state.last_step.as_dict(),
         "bucket_numel": dict(state.bucket_numel),
         "bucket_stats": {index: s.as_dict() for index, s in state.bucket_stats.items()},
-    }
+    })  # fmt: skip
     out.update({name: getattr(state, name) for name in COUNTERS + SECONDS + DIVERGENCES})
     return out
 
 
-def from_state_dict(state_dict: Any, code: Code | None, rank: int | None, world_size: int | None) -> dict[str, Any]:
-    """The attribute values ``state_dict`` gives a CerarState holding ``code`` on ``rank`` of
-    ``world_size`` (each None where unknown), checked key by key: errors name the key."""
+def from_state_dict(
+    state_dict: Any, code: Code | None, rank: int | None, world_size: int | None, form: str = STATE_DICT_FORMAT,
+    settings: Mapping[str, Setting] = SETTINGS,
+) -> dict[str, Any]:  # fmt: skip
+    """The attribute values ``state_dict`` gives a state holding ``code`` on ``rank`` of
+    ``world_size`` (each None where unknown), checked key by key: errors name the key and the
+    value. ``form`` and ``settings`` are the state's class's; ``code`` is None for a class
+    without one (auto's state)."""
     if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            f"Argument 'state_dict' must be a mapping from CerarState.state_dict(), not {type(state_dict).__name__}."
-        )
-    if state_dict.get("format") != STATE_DICT_FORMAT:
-        raise ValueError(
-            f"Key 'format' of the state_dict must be {STATE_DICT_FORMAT!r}, not {state_dict.get('format')!r}."
-        )
-    missing = [k for k in KEYS if k not in state_dict]
-    unexpected = sorted((k for k in state_dict if k not in KEYS), key=repr)
+        raise TypeError(f"Argument 'state_dict' must be a mapping from state_dict(), not {type(state_dict).__name__}.")
+    if state_dict.get("format") != form:
+        raise ValueError(f"Key 'format' of the state_dict must be {form!r}, not {state_dict.get('format')!r}.")
+    keys = ["format", *(["code"] if form == STATE_DICT_FORMAT else []), *settings, *_RECORDS]
+    missing = [k for k in keys if k not in state_dict]
+    unexpected = sorted((k for k in state_dict if k not in keys), key=repr)
     if missing or unexpected:
-        raise KeyError(f"CerarState.load_state_dict: missing keys {missing}, unexpected keys {unexpected}.")
+        raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}.")
     for key, here in (("rank", rank), ("world_size", world_size)):
         saved = state_dict[key]
         if saved is not None and here is not None and saved != here:
             raise ValueError(
                 f"Key {key!r} of the state_dict is {saved!r} but this process has {key} {here}: "
-                "each rank saves and loads its own CerarState.state_dict()."
+                "each rank saves and loads its own state_dict()."
             )
-    parsers: dict[str, Callable[[Any], Any]] = {
-        "code": lambda v: _loaded_code(v, code),
-        "nonfinite": lambda v: check_choice("nonfinite", v, NONFINITE_POLICIES),
-        "packet_dtype": _packet_dtype,
-        "min_bucket_bytes": lambda v: check_count("min_bucket_bytes", v),
-        "start_iter": lambda v: check_count("start_iter", v),
-        "resync_every": lambda v: check_every("resync_every", v),
-        "divergence_tol": lambda v: check_tol("divergence_tol", v),
+    parsers: dict[str, Callable[[Any], Any]] = {name: parse for name, (_, parse) in settings.items()}
+    if "code" in keys:
+        parsers["code"] = lambda v: _loaded_code(v, code)
+    parsers.update({
         "stats": _comm_stats,
         "last_step": lambda v: None if v is None else _comm_stats(v),
-        "bucket_numel": lambda v: {check_int("index", i): check_int("numel", n) for i, n in v.items()},
-        "bucket_stats": lambda v: {check_int("index", i): _comm_stats(s) for i, s in v.items()},
-    }
+        "bucket_numel": lambda v: {check_int("index", i): check_int("numel", n) for i, n in _mapping(v).items()},
+        "bucket_stats": lambda v: {check_int("index", i): _comm_stats(s) for i, s in _mapping(v).items()},
+    })  # fmt: skip
     for name in COUNTERS:
         parsers[name] = lambda v, name=name: check_int(name, v, minimum=0)
     for name in SECONDS:
@@ -141,6 +140,12 @@ def from_state_dict(state_dict: Any, code: Code | None, rank: int | None, world_
     for name in DIVERGENCES:  # inf is a divergence (a rank-0 replica of norm 0)
         parsers[name] = lambda v, name=name: None if v is None else _real(name, v)
     return {key: _keyed(key, parse, state_dict) for key, parse in parsers.items()}
+
+
+#: The keys every state_dict has beside its format, code and settings.
+_RECORDS = (
+    "rank", "world_size", "stats", "last_step", "bucket_numel", "bucket_stats", *COUNTERS, *SECONDS, *DIVERGENCES,
+)  # fmt: skip
 
 
 def _keyed(key: str, parse: Callable[[Any], Any], state_dict: Mapping[str, Any]) -> Any:
@@ -167,10 +172,24 @@ def _packet_dtype(value: Any) -> Any:
     return None if value is None else getattr(torch, value)
 
 
-def _comm_stats(value: Any) -> CommStats:
+def _mapping(value: Any) -> Mapping[Any, Any]:
     if not isinstance(value, Mapping):
-        raise TypeError(f"expected a CommStats.as_dict() mapping, not {type(value).__name__}")
-    return CommStats(**value)
+        raise TypeError(f"expected a mapping, not {type(value).__name__}")
+    return value
+
+
+def _comm_stats(value: Any) -> CommStats:
+    """A :class:`CommStats` from its ``as_dict()``, each figure checked: counts are integers of at
+    least 0, seconds finite and non-negative."""
+    known = {f.name: f.type for f in fields(CommStats)}
+    unexpected = sorted(set(_mapping(value)) - set(known), key=repr)
+    if unexpected:
+        raise ValueError(f"unexpected statistics {unexpected}")
+    checked = {
+        name: check_int(name, v, minimum=0) if known[name] in (int, "int") else check_float(name, v, nonnegative=True)
+        for name, v in value.items()
+    }
+    return CommStats(**checked)
 
 
 def _loaded_code(saved: Any, current: Code | None) -> Code | None:

@@ -17,6 +17,8 @@ from cerar._checks import check_choice
 from cerar.coding.code import Code
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.ddp.checkpoint import (
+    SETTINGS,
+    STATE_DICT_FORMAT,
     check_count,
     check_every,
     check_packet_dtype,
@@ -168,6 +170,9 @@ class CerarState(ReplicaSync):
     _RESOLVED_AGAIN = ("world_size",)
     #: The record of one backward pass (``last_step``); :class:`cerar.comm.auto.ddp.AutoState`'s adds its buckets.
     _STEP_RECORD: type[CommStats] = CommStats
+    #: What a state_dict of this class is called and which settings it holds (cerar.comm.ddp.checkpoint).
+    _FORMAT = STATE_DICT_FORMAT
+    _SETTINGS = SETTINGS
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
@@ -226,7 +231,8 @@ class CerarState(ReplicaSync):
         the default is resolved); ``rank``, ``world_size``: the saving rank's (``None`` without a
         group). See :mod:`cerar.comm.ddp.checkpoint`."""
         with self._lock:
-            return to_state_dict(self, _rank(self.process_group), self.world_size or _size(self.process_group))
+            size = self.world_size or _size(self.process_group)
+            return to_state_dict(self, _rank(self.process_group), size, self._FORMAT, self._SETTINGS)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, on the rank that saved it.
@@ -236,7 +242,7 @@ class CerarState(ReplicaSync):
         are taken from ``state_dict``. Errors name the bad key, and leave the state unchanged.
         """
         size = self.world_size or _size(self.process_group)
-        values = from_state_dict(state_dict, self.code, _rank(self.process_group), size)
+        values = from_state_dict(state_dict, self.code, _rank(self.process_group), size, self._FORMAT, self._SETTINGS)
         with self._lock:
             for name, value in values.items():
                 setattr(self, name, value)

@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -119,6 +120,10 @@ class Proposal(NamedTuple):
 
 NO_PROPOSAL = Proposal()  # a call with nothing to scale (the exact ring in its wire dtype)
 
+#: A call's settings as its mismatch message shows them: text, or a function that makes the text
+#: or a mapping of named settings (the message then names the first that differs), made only then.
+Summary = str | Callable[[], str | Mapping[str, Any]]
+
 
 class Agreed(NamedTuple):
     """What the handshake found, the same on every rank."""
@@ -143,7 +148,7 @@ class OpenHandshake:
         ring: Ring,
         own: torch.Tensor,
         counter: int,
-        summary: str | Callable[[], str],
+        summary: Summary,
         device: torch.device | None,
         stats: CommStats | None = None,
     ) -> None:
@@ -190,10 +195,13 @@ class OpenHandshake:
             self._timed(began)
         self.rest = []
         if total[0] != -total[1] or total[2] != -total[3]:
-            text = self.summary if isinstance(self.summary, str) else self.summary()
-            texts = gather_text(self.ring, f"{text}, call #{self.counter}", self.device)
-            lines = "; ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
+            made = self.summary if isinstance(self.summary, str) else self.summary()
             what = "different settings" if total[0] != -total[1] else "different call counts (a rank skipped a call)"
+            if isinstance(made, Mapping):  # settings by name: the message names the first that differs
+                fields = {**{k: str(v) for k, v in made.items()}, "call": str(self.counter)}
+                raise SettingsMismatchError(_named(gather_text(self.ring, json.dumps(fields), self.device), what))
+            texts = gather_text(self.ring, f"{made}, call #{self.counter}", self.device)
+            lines = "; ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
             raise SettingsMismatchError(f"cerar: ranks called the collective with {what}: {lines}")
         return Agreed(total[4], int(total[5]))
 
@@ -202,7 +210,7 @@ def open_handshake(
     ring: Ring,
     settings: float,
     counter: int,
-    summary: str | Callable[[], str],
+    summary: Summary,
     proposal: Proposal = NO_PROPOSAL,
     *,
     device: torch.device | None = None,
@@ -218,7 +226,7 @@ def handshake(
     ring: Ring,
     settings: float,
     counter: int,
-    summary: str | Callable[[], str],
+    summary: Summary,
     proposal: Proposal = NO_PROPOSAL,
     *,
     device: torch.device | None = None,
@@ -231,6 +239,20 @@ def handshake(
     Non-finite inputs are found later, overlapped (:class:`cerar.comm.ring.maxima.MaximaChain`).
     """
     return open_handshake(ring, settings, counter, summary, proposal, device=device, stats=stats).finish()
+
+
+def _named(texts: list[str], what: str) -> str:  # what: the fallback's words
+    """The message of a mismatch whose ranks sent their settings as JSON: the first setting that
+    differs, with every rank's value (the whole listing if a text did not survive the 2 KiB cut)."""
+    try:
+        settings = [json.loads(text) for text in texts]
+    except ValueError:
+        return f"cerar: ranks called the collective with {what}: " + "; ".join(texts)
+    keys = list(dict.fromkeys(k for s in settings for k in s))
+    key = next((k for k in keys if len({s.get(k) for s in settings}) > 1), "call")
+    values = "; ".join(f"rank {r}: {s.get(key)}" for r, s in enumerate(settings))
+    named = "call counts (a rank skipped a call)" if key == "call" else key
+    return f"cerar: ranks called the collective with different {named}: {values}"
 
 
 def gather_text(ring: Ring, text: str, device: torch.device | None = None) -> list[str]:
