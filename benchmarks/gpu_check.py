@@ -21,7 +21,8 @@ With two or more CUDA devices it then runs the collective itself on CUDA tensors
 rank per device (NCCL refuses two ranks on one device): ``cerar.all_reduce`` with float32 and
 float16 packets, synchronous and async (the tensor written on the caller's stream just before the
 call, read on it just after ``wait()``: the stream ordering of ``cerar.comm.ring.thread``),
-``ring_all_reduce``, and DDP steps with ``cerar.ddp.cerar_hook``, each against
+``ring_all_reduce``, DDP steps with ``cerar.ddp.cerar_hook``, an async all-reduce on cerar's
+process group (``wait()`` ordering the caller's stream) and DDP over that group, each against
 ``torch.distributed.all_reduce``'s sum (:func:`collective_check`; the suite runs the same function
 on Gloo and the CPU).
 
@@ -198,6 +199,23 @@ def _collective_rank(rank: int, world: int, port: int, backend: str, device_type
             net(batch).square().mean().backward()
         grads = [torch.cat([p.grad.reshape(-1) for p in net.parameters()]) for net in (coded, plain)]
         errors["ddp cerar_hook"] = relative(*grads)
+        # cerar's process group: an async all-reduce whose wait() orders the caller's stream (the
+        # input written on it just before, read on it just after), and DDP with the group, no hook.
+        import cerar.group
+
+        group = cerar.group.new_group(min_bytes=0)
+        g = torch.empty_like(x)
+        g.copy_(x).mul_(3.0)
+        dist.all_reduce(g, group=group, async_op=True).wait()
+        errors["group async"] = relative(g.clone(), exact(3.0 * x))
+        torch.manual_seed(0)
+        grouped_model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+        grouped_model.load_state_dict(model.state_dict())
+        wrap = torch.nn.parallel.DistributedDataParallel
+        grouped = wrap(grouped_model.to(device), device_ids=ids, process_group=group)
+        grouped(batch).square().mean().backward()
+        grouped_grad = torch.cat([p.grad.reshape(-1) for p in grouped.parameters()])
+        errors["ddp group"] = relative(grouped_grad, grads[1])
         cerar.shutdown()
         results.put((rank, errors))
     except BaseException as exc:  # reported to the parent
@@ -243,7 +261,7 @@ def collective_check(world: int, backend: str = "nccl", device_type: str = "cuda
 #: Worst relative errors the collective check accepts: the default codes' predicted worst-rank
 #: errors (2e-4 in float32, 1.6e-2 with float16 packets at N = 4) with room for N up to 8.
 COLLECTIVE_LIMITS = {"cerar fp32": 1e-3, "cerar fp16": 5e-2, "cerar async": 1e-3, "cerar future": 1e-3,
-                     "ring fp16": 5e-3, "ddp cerar_hook": 1e-3}  # fmt: skip
+                     "ring fp16": 5e-3, "ddp cerar_hook": 1e-3, "group async": 1e-3, "ddp group": 1e-3}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

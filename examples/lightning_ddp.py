@@ -14,6 +14,11 @@ needed NCCL); on CPU it silently trains with DDP's own all-reduce instead. DDP i
 comm hooks on Gloo for a long time, so :class:`CommHookDDPStrategy` below registers the hook on
 every device. On CUDA it behaves exactly as ``DDPStrategy``.
 
+**Without the hook** (``--route group``): ``DDPStrategy(process_group_backend="cerar")`` makes
+Lightning call ``init_process_group("cerar")`` (the backend registered by ``import cerar.group``;
+``cerar.group.register_backend(...)`` sets the default group's settings), so DDP's default group
+is cerar's and its buckets run CERAR on any device, with no strategy subclass.
+
 The script prints the first and final training loss (rank 0) and every rank's hook statistics,
 and exits 1 if the loss did not decrease or the hook never ran.
 """
@@ -32,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import cerar
+import cerar.group
 
 
 class CommHookDDPStrategy(DDPStrategy):
@@ -83,13 +89,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--route", choices=("hook", "group"), default="hook")
     args = parser.parse_args()
 
     pl.seed_everything(0, verbose=False)
-    # No process group needed yet: it is created on the first bucket. min_bucket_bytes=0: the toy
-    # model's buckets are far below the 2 MiB default, which would keep them exact.
-    state = cerar.ddp.CerarState(min_bucket_bytes=0)
-    strategy = CommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=cerar.ddp.cerar_hook)
+    # min_bucket_bytes=0 (min_bytes=0): the toy model's buckets are far below the 2 MiB default,
+    # which would keep them exact.
+    state = None
+    if args.route == "group":
+        cerar.group.register_backend(min_bytes=0)
+        strategy: DDPStrategy = DDPStrategy(process_group_backend="cerar")
+    else:  # no process group needed yet: the state makes its own at the first bucket
+        state = cerar.ddp.CerarState(min_bucket_bytes=0)
+        strategy = CommHookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=cerar.ddp.cerar_hook)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -105,13 +117,15 @@ def main() -> int:
     trainer.fit(model, DataLoader(dataset(), batch_size=16))
 
     rank = trainer.global_rank
-    first, final = average_over_ranks(model.losses[:8]), average_over_ranks(model.losses[-8:])
-    stats = state.stats
-    code = state.code  # resolved for the group's size at the first bucket
-    say(
-        f"rank {rank}: hook calls={stats.calls} bytes_sent={stats.bytes_sent} rounds={stats.rounds} "
-        f"code={code.construction}(N={code.world_size}, c={code.components})"
-    )
+    with cerar.exact():  # the losses' average, bitwise the same on every rank (a no-op without cerar's group)
+        first, final = average_over_ranks(model.losses[:8]), average_over_ranks(model.losses[-8:])
+    if state is not None:
+        stats, code = state.stats, state.code  # the code: resolved for the group's size at the first bucket
+        what = f"code={code.construction}(N={code.world_size}, c={code.components})"
+    else:
+        group = dist.group.WORLD
+        stats, what = cerar.collective.get_stats(group.transport), f"backend={dist.get_backend()}"
+    say(f"rank {rank}: hook calls={stats.calls} bytes_sent={stats.bytes_sent} rounds={stats.rounds} {what}")
     if rank == 0:
         say(f"first loss {first:.6f} final loss {final:.6f}")
     ok = final < first and stats.calls > 0

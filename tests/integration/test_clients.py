@@ -109,8 +109,37 @@ def test_lightning_example() -> None:
 
 @pytest.mark.slow
 @pytest.mark.multirank
+def test_lightning_example_through_cerars_group() -> None:
+    """DDPStrategy(process_group_backend="cerar"): Lightning's default group is cerar's, no hook."""
+    pytest.importorskip("pytorch_lightning")
+    report = run_example("lightning_ddp.py", 2, "--route", "group")
+    check(report, 2)
+    assert "backend=cerar" in report.output
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_accelerate_example() -> None:
     """Accelerator(cpu=True) under torchrun, the hook registered on the prepared model."""
     pytest.importorskip("accelerate")
     report = run_example("accelerate_ddp.py", 3)
     check(report, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_ddp_group_example() -> None:
+    """DDP with cerar's process group and no hook, 4 ranks: DDP's buckets through CERAR."""
+    report = run_example("ddp_group.py", 4)
+    check(report, 4)
+    assert "exact=['allgather', 'broadcast', 'sum']" in report.output  # start-up and the loss logging
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("route", ["mesh", "hook"])
+def test_fsdp2_hsdp_example(route: str) -> None:
+    """FSDP2 HSDP on 3 emulated nodes of 2 ranks, CERAR between them, by either route."""
+    report = run_example("fsdp2_hsdp.py", 6, "--ranks-per-node", "2", "--route", route)
+    check(report, 6)
+    assert "nodes=3" in report.output

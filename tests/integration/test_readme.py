@@ -209,10 +209,21 @@ def _check_clusters(text: str, printed: list[list[str]]) -> None:
         assert int(bytes_sent) == (int(c) + int(nodes) - 2) * math.ceil(shard / int(c)) * 4
 
 
+def _check_group(text: str, printed: list[list[str]]) -> None:
+    """DDP's bucket went through CERAR on cerar's group; the MAX and the loss under cerar.exact()
+    went to the exact group: every rank holds the exact values."""
+    assert "min_bytes=1 << 20" in text and "torch.nn.Linear(1024, 1024)" in text  # a 4 MB bucket: coded
+    for coded, flags, loss, bytes_sent in printed:
+        assert int(coded) >= 1 and int(bytes_sent) > 0
+        assert int(flags) == WORLD - 1
+        assert float(loss) == sum(1.0 + r for r in range(WORLD))
+
+
 #: The check of each runnable block, by the heading it sits under.
 BLOCK_CHECKS: dict[str, Callable[[str, list[list[str]]], None]] = {
     "The collective": _check_collective,
     "DDP": _check_ddp,
+    "A process group: DDP without a hook, FSDP2's HSDP, your own `all_reduce`": _check_group,
     "Clusters of nodes": _check_clusters,
 }
 

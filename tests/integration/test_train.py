@@ -122,6 +122,15 @@ def test_parse_method() -> None:
     for bad in ("fp16:2", "cerar:x", "powersgd:2N", "cerar:0", "nccl", "cerar:8:fp8", "ring:2:fp16"):
         with pytest.raises(ValueError, match="Argument 'method'"):
             parse_method(bad, 4)
+    # Through cerar's process group: DDP without a hook, or HSDP (its kN: N the nodes, as passed).
+    assert parse_method("group:cerar:8:fp16", 4) == ("cerar", {"components": 8, "packet": "fp16", "parallel": "group"})
+    assert parse_method("hsdp:cerar", 3) == ("cerar", {"components": 6, "parallel": "hsdp"})
+    assert parse_method("hsdp:auto:2e-2", 4) == ("auto", {"max_error": 2e-2, "parallel": "hsdp"})
+    assert TrainConfig(method="fp16", parallel="hsdp").label == "hsdp-fp16-s0"
+    with pytest.raises(ValueError, match="Argument 'method' of hsdp must be one of"):
+        TrainConfig(method="powersgd", parallel="hsdp")
+    with pytest.raises(ValueError, match="Argument 'parallel'"):
+        TrainConfig(parallel="zero")
 
 
 def test_learning_rate_schedule() -> None:
@@ -329,6 +338,28 @@ def test_train_on_nodes_with_the_hierarchical_and_16_bit_methods(tmp_path: Path)
     assert runs["cerar-c8-fp16-s0"]["final_val_loss"] == pytest.approx(base, abs=0.05)
     # float16 packets: 2 (1 + (N-2)/c) = 2.5 bytes per value against the fp32 ring's 6.
     assert runs["cerar-c8-fp16-s0"]["bytes_per_step"] < 0.5 * runs["allreduce-s0"]["bytes_per_step"]
+
+
+def test_train_through_cerars_group_ddp_and_hsdp(tmp_path: Path) -> None:
+    """3 nodes x 2 ranks on loopback: HSDP exact (every all-reduce handed to the exact group),
+    through cerar between the nodes, and DDP over cerar's group without a hook, the same model."""
+    from cerar.cli import main
+
+    out = tmp_path / "groups"
+    argv = [
+        "train", "--nodes", "3", "--ranks-per-node", "2", "--regime", "fast",
+        "--methods", "hsdp:allreduce", "hsdp:cerar", "group:cerar:8", "--noise-seeds", "1",
+        "--steps", "3", "--eval-every", "3", "--batch-size", "2", "--layers", "1", "--hidden", "32",
+        "--heads", "2", "--seq-len", "32", "--warmup-steps", "1", "--eval-sequences", "6",
+        "--timeout-s", "120", "--no-plots", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    runs = {r["label"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
+    assert set(runs) == {"hsdp-allreduce-s0", "hsdp-cerar-c6-s0", "group-cerar-c8-s0"}
+    base = runs["hsdp-allreduce-s0"]["final_val_loss"]
+    assert runs["hsdp-cerar-c6-s0"]["final_val_loss"] == pytest.approx(base, abs=1e-2)
+    for run in runs.values():
+        assert run["bytes_measured"] and run["bytes_per_step"] > 0
 
 
 @pytest.mark.slow

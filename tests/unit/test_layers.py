@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cerar.comm.collective",),  # the public calls: argument checks, one call's body, the hierarchical path
     ("cerar.comm.ddp",),  # DDP: hooks, states, checkpoints, replicas
     ("cerar.comm.auto",),  # method="auto", above everything it chooses among
+    ("cerar.comm.group",),  # cerar as a process group: it offers every method, auto included
     ("cerar.harness",),
     ("cerar.experiments",),
     ("cerar.cli", "cerar.__main__"),
@@ -90,7 +91,9 @@ def _internal_graph() -> dict[str, set[str]]:
 
 
 #: The facade: ``cerar`` and its re-export modules sit above every layer; nothing inside imports them.
-FACADE = ("cerar", "cerar.codes", "cerar.collective", "cerar.ddp", "cerar.hierarchical", "cerar.transport")
+FACADE = (
+    "cerar", "cerar.codes", "cerar.collective", "cerar.ddp", "cerar.group", "cerar.hierarchical", "cerar.transport",
+)  # fmt: skip
 
 
 def test_every_module_belongs_to_a_layer() -> None:

@@ -92,7 +92,7 @@ def test_a_hierarchical_method_under_accum_counts_its_nodes() -> None:
          "(in 'accum:4:cerar:x')."),
         ("diloco:3:cerar:8:fp8", "takes a packet precision only as 'cerar:8:fp16' or 'cerar:2N:bf16'"),
         ("diloco:3:nccl", "Argument 'method' must be one of"),
-        ("sgd:3", "'accum', 'localsgd', 'diloco', not 'sgd'."),
+        ("sgd:3", "'accum', 'localsgd', 'diloco', 'group', 'hsdp', not 'sgd'."),
     ],
 )  # fmt: skip
 def test_bad_specs_name_the_spec(spec: str, message: str) -> None:

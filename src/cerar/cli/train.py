@@ -49,8 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         default=list(DEFAULT_METHODS),
         help=f"methods: {', '.join(h.usage for h in HOOKS.values())}; schedules around one (<method>, default "
-        f"allreduce): {', '.join(USAGE.values())}; list several settings (diloco:10 diloco:25) to tune "
-        "(default: %(default)s)",
+        f"allreduce): {', '.join(USAGE.values())}; through cerar's process group instead of a hook: "
+        "group:<method> (DDP) and hsdp:<method> (FSDP2 HSDP on --nodes, cerar between them), <method> one of "
+        "allreduce, ring, fp16, cerar[:c|:kN][:fp16], auto[:budget]; list several settings (diloco:10 "
+        "diloco:25) to tune (default: %(default)s)",
     )
     p.add_argument(
         "--world-size",

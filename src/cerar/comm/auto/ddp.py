@@ -94,11 +94,15 @@ class AutoState(CerarState):
         min_bucket_bytes: buckets smaller than this go exact (default 0: every bucket competes).
 
     Attributes: those of :class:`CerarState`, plus ``max_error``, ``auto``, ``candidates`` (within
-    the budget, known from the first bucket), ``tournament``, ``plan`` (the current method) and
-    ``decisions`` (the tournament's history).
+    the budget, known from the first bucket), ``tournament``, ``plan`` (the current method),
+    ``decisions`` (the tournament's history) and ``torch_bytes`` (what torch's collectives sent
+    for the exact and 16-bit ring candidates, by the ring formula; ``stats`` has cerar's).
     """
 
-    __slots__ = ("_in_pass", "_last", "_run", "_step_end", "auto", "candidates", "max_error", "side", "tournament")
+    __slots__ = (
+        "_in_pass", "_last", "_run", "_step_end", "auto", "candidates", "max_error", "side", "torch_bytes",
+        "tournament",
+    )  # fmt: skip
     _NOT_PICKLED = (
         *CerarState._NOT_PICKLED, "_in_pass", "_last", "_run", "_step_end", "candidates", "side", "tournament",
     )  # fmt: skip
@@ -127,6 +131,7 @@ class AutoState(CerarState):
         super().__init__(process_group, None, min_bucket_bytes=min_bucket_bytes, **settings)
         self.max_error = check_max_error(max_error)
         self.auto: AutoConfig = auto if auto is not None else AutoConfig()
+        self.torch_bytes = 0  # what torch's collectives sent for it (the exact and 16-bit rings), by the ring formula
         self._forget()
 
     def _forget(self) -> None:
@@ -291,6 +296,8 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state.bucket_done(None, None)
         raise
     state._last[index] = k
+    if candidates[k].transport == "torch":  # cerar's transport measures its own bytes
+        state.torch_bytes += round(candidates[k].bytes_per_value * buffer.numel())
     return _chain(state, bucket, future, candidates[k], reason, (call, bucket_stats))
 
 

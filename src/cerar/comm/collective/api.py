@@ -5,9 +5,9 @@ Both are in place, take any shape and contiguity (but no view whose elements sha
 unseen by autograd), and return None, or with ``async_op=True`` a :class:`CerarWork` handle.
 All of a process's cerar calls run in order on one communication thread
 (:mod:`cerar.comm.ring.thread`), so async and sync calls interleave exactly as issued on
-every rank; :func:`shutdown` stops it (also at interpreter exit). They must come from one
-Python thread at a time: a call from a second thread while the first one's calls are in
-flight raises ``RuntimeError``.
+every rank; :func:`shutdown` stops it (also at interpreter exit). They come from one Python
+thread at a time: a call from a second thread while the first one's calls are in flight waits
+until they have completed.
 
 Every call starts with a handshake over the ring's own point-to-point links
 (:mod:`cerar.comm.ring.handshake`; no collective, so none can pair with the program's own collectives

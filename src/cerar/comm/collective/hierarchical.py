@@ -301,7 +301,7 @@ def _node_groups(group: dist.ProcessGroup | None, layout: NodeLayout) -> dist.Pr
 
 def _cross_ring(group: dist.ProcessGroup | None, layout: NodeLayout) -> Ring:
     """The ring of this local rank across nodes, point to point on the parent group."""
-    ranks = [_global(group, r) for r in layout.cross_ranks(layout.local_rank)]
+    ranks = layout.cross_ranks(layout.local_rank)
     m, k = layout.nodes, layout.node
     # Its peers too: the handshake's hops need them.
     return Ring(group, k, m, ranks[(k + 1) % m], ranks[(k - 1) % m], tuple(ranks))

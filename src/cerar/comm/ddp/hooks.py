@@ -43,7 +43,7 @@ from cerar.comm.collective.hierarchical import hierarchical_all_reduce, hierarch
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.ddp.checkpoint import STATE_DICT_FORMAT
 from cerar.comm.ddp.hierarchical import HierarchicalState
-from cerar.comm.ddp.replicas import SKETCH_SIZE, replica_divergence, resync
+from cerar.comm.ddp.replicas import SKETCH_SIZE, Replicas, replica_divergence, resync
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES, CerarState
 from cerar.comm.ring.exact import exact_all_reduce
 from cerar.comm.ring.stats import CommStats
@@ -55,6 +55,7 @@ __all__ = [
     "STATE_DICT_FORMAT",
     "CerarState",
     "HierarchicalState",
+    "Replicas",
     "cerar_hook",
     "hier_cerar_hook",
     "hier_ring_hook",

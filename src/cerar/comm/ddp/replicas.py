@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["SKETCH_SIZE", "ReplicaSync", "replica_divergence", "resync"]
+from cerar._checks import check_float, check_int
+
+__all__ = ["SKETCH_SIZE", "ReplicaSync", "Replicas", "replica_divergence", "resync"]
 
 SKETCH_SIZE = 1024  # CountSketch buckets: the norm estimate's relative spread is about sqrt(2/k)
 _SKETCH_SEED = 0x5EED
@@ -40,7 +42,7 @@ def replica_divergence(model: nn.Module, group: dist.ProcessGroup | None = None)
     params = _parameters(model)
     if not params:
         raise ValueError("Argument 'model' must have parameters, not none.")
-    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
+    flat = torch.cat([_local(p).detach().reshape(-1).to(torch.float64) for p in params])
     index, sign = _sketch_hash(flat.numel())
     local = torch.zeros(SKETCH_SIZE + 1, dtype=torch.float64)
     local[:SKETCH_SIZE].index_add_(0, index, flat * sign)
@@ -64,18 +66,17 @@ def resync(
 ) -> None:
     """Make every rank's parameters and buffers (and ``optimizer``'s state tensors) equal to
     the group's rank 0's, by one coalesced broadcast per dtype. A collective: call on every rank."""
-    tensors: list[torch.Tensor] = [p.data for p in _parameters(model)]
-    tensors += [b for b in model.buffers()]
+    tensors: list[torch.Tensor] = [_local(p.data) for p in _parameters(model)]
+    tensors += [_local(b) for b in model.buffers()]
     if optimizer is not None:
         for param_state in optimizer.state.values():
-            tensors += [v for v in param_state.values() if isinstance(v, torch.Tensor) and v.numel() > 0]
-    src = 0 if group is None else dist.get_global_rank(group, 0)
+            tensors += [_local(v) for v in param_state.values() if isinstance(v, torch.Tensor) and v.numel() > 0]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for same in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, src=src, group=group)
+        dist.broadcast(flat, group=group, group_src=0)
         offset = 0
         for tensor in same:
             tensor.detach().copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
@@ -147,6 +148,39 @@ class ReplicaSync:
         self.last_divergence = divergence
         self.max_divergence = divergence if self.max_divergence is None else max(self.max_divergence, divergence)
         return divergence
+
+
+class Replicas(ReplicaSync):
+    """:class:`ReplicaSync` on its own, for training code that reduces its gradients through a
+    process group rather than a DDP hook (``cerar.new_group``: DDP with the group, FSDP2's
+    replicate dimension, a loop's own ``dist.all_reduce``)::
+
+        replicas = cerar.ddp.Replicas(group, resync_every=100, divergence_tol=1e-3)
+        replicas.attach(model, optimizer)  # after every optimizer.step()
+
+    With FSDP2 each rank's shards are compared and re-synchronised with the shards of the same
+    place on the other ranks of ``group`` (the replicate dimension's group)."""
+
+    __slots__ = (
+        "divergence_tol", "last_divergence", "max_divergence", "process_group", "resync_every", "resync_s", "resyncs",
+        "steps",
+    )  # fmt: skip
+
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, resync_every: int | None = None,
+        divergence_tol: float | None = None,
+    ) -> None:  # fmt: skip
+        self.process_group = group
+        self.resync_every = check_int("resync_every", resync_every, minimum=1, optional=True)
+        self.divergence_tol = check_float("divergence_tol", divergence_tol, positive=True, optional=True)
+        self.steps = self.resyncs = 0
+        self.resync_s = 0.0
+        self.last_divergence = self.max_divergence = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _parameters(model: nn.Module) -> list[torch.Tensor]:

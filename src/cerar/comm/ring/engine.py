@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.distributed as dist
 
 from cerar.comm.ring.links import DATA_TAG, Ring, apart_posters, pair_poster, wait_for
 from cerar.comm.ring.stats import CommStats
@@ -192,13 +191,14 @@ def settle_round(ring: Ring, pieces: list[Piece], *, send: bool, recv: bool, the
     round's ``pieces``, as they are (what they carry is discarded), run ``then``, and wait for
     what was posted, also when ``then`` raises: a rank whose handshake agreed with one neighbour
     and not the other completes the messages that neighbour posted to it, or expects from it."""
+    pg, source, destination = ring.endpoints
     works = []
     try:
         for piece in pieces:
             if recv:
-                works.append(dist.irecv(piece.recv, src=ring.recv_from, group=ring.group, tag=tag))
+                works.append(pg.recv([piece.recv], source, tag))
             if send:
-                works.append(dist.isend(piece.send, dst=ring.send_to, group=ring.group, tag=tag))
+                works.append(pg.send([piece.send], destination, tag))
         then()
     finally:
         _drain(ring, works)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,24 +26,29 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Ring:
-    """This rank's place on a one-directional ring over ``group`` (group-local numbering)."""
+    """This rank's place on a one-directional ring over ``group``, in the group's own numbering
+    (what its ``send``/``recv`` take): the ring needs nothing of torch's registry of groups, so it
+    runs on a group torch does not know (as fault-tolerant trainers build them).
+
+    Attributes:
+        group: the process group the messages go over (``None``: the default group).
+        rank: this rank's position on the ring.
+        size: the ring's positions.
+        send_to, recv_from: the group ranks of the positions after and before this one.
+        peers: the group rank of every position (the handshake's hops need them).
+    """
 
     group: dist.ProcessGroup | None
     rank: int
     size: int
-    send_to: int  # global rank of rank + 1
-    recv_from: int  # global rank of rank - 1
-    peers: tuple[int, ...] = ()  # global rank of every position (the handshake needs them)
+    send_to: int
+    recv_from: int
+    peers: tuple[int, ...] = ()
 
     @functools.cached_property
     def endpoints(self) -> tuple[dist.ProcessGroup, int, int]:
-        """``(process group, group rank of recv_from, group rank of send_to)``: what the process
-        group's own ``send``/``recv`` take, worked out once per ring instead of by
-        ``dist.isend``/``dist.irecv``'s argument handling on every message."""
-        pg = dist.group.WORLD if self.group is None else self.group
-        if self.group is None:
-            return pg, self.recv_from, self.send_to
-        return pg, dist.get_group_rank(self.group, self.recv_from), dist.get_group_rank(self.group, self.send_to)
+        """``(process group, recv_from, send_to)``: what the group's own ``send``/``recv`` take."""
+        return dist.group.WORLD if self.group is None else self.group, self.recv_from, self.send_to
 
     @functools.cached_property
     def _at_distance(self) -> dict[int, Ring]:
@@ -65,17 +71,15 @@ class Ring:
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None) -> Ring | None:
-        """The ring of the calling process over ``group``, or None if it is not a member."""
-        rank = dist.get_rank(group)
+        """The ring of the calling process over ``group`` (positions are group ranks), or None
+        if it is not a member; its rank and size are the group object's own."""
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            return None  # the marker dist.new_group returns to non-members
+        pg = dist.group.WORLD if group is None else group
+        rank, size = pg.rank(), pg.size()
         if rank < 0:
             return None
-        size = dist.get_world_size(group)
-
-        def to_global(r: int) -> int:
-            return r if group is None else dist.get_global_rank(group, r)
-
-        peers = tuple(to_global(r) for r in range(size))
-        return cls(group, rank, size, peers[(rank + 1) % size], peers[(rank - 1) % size], peers)
+        return cls(group, rank, size, (rank + 1) % size, (rank - 1) % size, tuple(range(size)))
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> Any:
@@ -97,8 +101,8 @@ class RingError(RuntimeError):
 
 def _ring_error(ring: Ring, round_index: int, exc: BaseException) -> RingError:
     return RingError(
-        f"cerar: ring round {round_index} failed on group rank {ring.rank} (receiving from global "
-        f"rank {ring.recv_from}, sending to global rank {ring.send_to}): a peer died or "
+        f"cerar: ring round {round_index} failed at position {ring.rank} (receiving from group "
+        f"rank {ring.recv_from}, sending to group rank {ring.send_to}): a peer died or "
         f"stalled past the process group's timeout. Cause: {exc}"
     )
 
@@ -146,11 +150,11 @@ def pair_poster(ring: Ring, device: torch.device, tag: int = DATA_TAG) -> Post:
 
         return post_cpu
 
+    source, destination = _peers(ring)
+
     def post_batch(send: torch.Tensor, recv: torch.Tensor, round_index: int) -> tuple[dist.Work, dist.Work]:
-        ops = [
-            dist.P2POp(dist.irecv, recv, ring.recv_from, ring.group, tag),
-            dist.P2POp(dist.isend, send, ring.send_to, ring.group, tag),
-        ]
+        ops = [dist.P2POp(dist.irecv, recv, group=ring.group, tag=tag, **source),
+               dist.P2POp(dist.isend, send, group=ring.group, tag=tag, **destination)]  # fmt: skip
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
@@ -161,6 +165,20 @@ def pair_poster(ring: Ring, device: torch.device, tag: int = DATA_TAG) -> Post:
         return recv_work, send_work
 
     return post_batch
+
+
+#: torch 2.6 and newer name a P2POp's peer by its rank in the group (no registry needed).
+_GROUP_PEER = "group_peer" in inspect.signature(dist.P2POp.__init__).parameters
+
+
+def _peers(ring: Ring) -> tuple[dict[str, int], dict[str, int]]:
+    """A P2POp's peer arguments for ``ring``'s predecessor and successor."""
+    if _GROUP_PEER:
+        return {"group_peer": ring.recv_from}, {"group_peer": ring.send_to}
+    def to_global(rank: int) -> dict[str, int]:
+        return {"peer": rank if ring.group is None else dist.get_global_rank(ring.group, rank)}
+
+    return to_global(ring.recv_from), to_global(ring.send_to)
 
 
 def post_pair(

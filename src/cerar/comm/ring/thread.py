@@ -22,15 +22,13 @@ Threads. The ranks' calls pair up by their order, so every rank must issue them 
 order, and calls made from several Python threads at once have no order across ranks (rank
 0's thread A would pair with rank 1's thread B). The rule: **a process's cerar calls come
 from one thread at a time** (any thread: DDP's hooks run on the thread that calls
-``backward()``, other autograd threads on accelerators), and another thread may take over
-once every call of the previous one has completed (a sync call returned, an async one's
-handle completed). :meth:`CommThread.submit` enforces it where it can see it: a call from a
-thread while another thread's calls are still in flight raises ``RuntimeError`` at once,
-before anything is queued; a blocking call from the communication thread itself (a
-callback), which would wait on itself forever, raises too. The rule is per process, not per
-process group: one thread runs the calls of every group, so two threads on two groups can
-queue them in opposite orders on two ranks and deadlock. The detector sees only this rank:
-calls that raced may have paired wrongly on another rank before one of them raised here.
+``backward()``, FSDP2's on autograd's while the main thread logs the loss), and a call from
+another thread while a thread's calls are in flight **waits** until every one of them has
+completed (a sync call returned, an async one's handle completed), then takes over
+(:meth:`CommThread.submit`). A blocking call from the communication thread itself (a
+callback), which would wait on itself forever, raises. The rule is per process, not per process
+group: one thread runs the calls of every group. Waiting orders one rank's calls; the ranks must
+still reach the calls in the same order (as they must for any collective).
 """
 
 from __future__ import annotations
@@ -202,8 +200,8 @@ class _Worker:
 
 
 class _Callers:
-    """The thread whose calls are in flight: refuses a second thread meanwhile (see the module
-    docstring).
+    """The thread whose calls are in flight: another thread's call waits until they have all
+    completed (see the module docstring).
 
     A call leaves the count just *before* its future completes (the communication thread calls
     :meth:`leave` first), so a thread that saw ``wait()`` return can hand over at once; a
@@ -212,31 +210,26 @@ class _Callers:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._turn = threading.Condition()
         self._thread: threading.Thread | None = None
         self._in_flight: set[Future[torch.Tensor]] = set()
 
     def enter(self, future: Future[torch.Tensor]) -> None:
-        """Count ``future`` as the calling thread's, or raise if another thread's are in flight."""
+        """Count ``future`` as the calling thread's, once no other thread's calls are in flight."""
         me = threading.current_thread()
-        with self._lock:
-            owner = self._thread
-            if self._in_flight and owner is not None and owner is not me:
-                raise RuntimeError(
-                    f"cerar: thread {me.name!r} made a call while {len(self._in_flight)} call(s) of thread "
-                    f"{owner.name!r} are in flight. Calls from several threads at once pair up in no "
-                    f"defined order across ranks, so a process's cerar calls must come from one thread "
-                    f"at a time: wait for the other thread's calls (CerarWork.wait()) first."
-                )
+        with self._turn:
+            while self._in_flight and self._thread is not None and self._thread is not me:
+                self._turn.wait()
             self._thread = me
             self._in_flight.add(future)
 
     def leave(self, future: Future[torch.Tensor]) -> None:
         """``future`` is about to complete (idempotent)."""
-        with self._lock:
+        with self._turn:
             self._in_flight.discard(future)
             if not self._in_flight:
                 self._thread = None
+                self._turn.notify_all()
 
 
 class CommThread:

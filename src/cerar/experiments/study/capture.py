@@ -173,8 +173,9 @@ def capture_rank(
     from torch.nn.parallel import DistributedDataParallel
 
     from cerar.experiments.train.data import load_split, train_batch
-    from cerar.experiments.train.loop import NO_BUFFER_SYNC, lr_factor
+    from cerar.experiments.train.loop import lr_factor
     from cerar.experiments.train.model import build_model, lm_loss, local_gradient, parameter_groups
+    from cerar.experiments.train.parallel import no_buffer_sync
 
     if not isinstance(config, TrainConfig):
         raise TypeError(f"Argument 'config' must be a TrainConfig, not {type(config).__name__}.")
@@ -182,7 +183,7 @@ def capture_rank(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     split = load_split()
     module = build_model(config.model, config.seed)
-    model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb, **NO_BUFFER_SYNC)
+    model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb, **no_buffer_sync())
     optimizer = torch.optim.AdamW(
         parameter_groups(module, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8
     )

@@ -18,6 +18,7 @@ from cerar._checks import check_choice, check_float, check_int
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.experiments._flags import add_flags, flag, flag_group, from_flags
 from cerar.experiments.train.methods import HOOKS
+from cerar.experiments.train.parallel import PARALLELS, check_parallel
 from cerar.experiments.train.schedules import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
@@ -121,6 +122,10 @@ class TrainConfig:
         max_error: ``auto``: the error budget (``None``: the library's, 0.1), from ``auto:1e-3``.
         packet: ``cerar``: 16-bit packets, ``"fp16"`` or ``"bf16"`` (``None``: float32), from
             the spec ``cerar:8:fp16``; the code is then tuned for that precision.
+        parallel: ``"ddp"`` (the method's DDP hook), ``"group"`` (DDP over cerar's process
+            group running the method, no hook) or ``"hsdp"`` (FSDP2's HSDP on emulated nodes,
+            cerar's group running the method between them), from the specs ``group:<method>``
+            and ``hsdp:<method>`` (:mod:`cerar.experiments.train.parallel`).
         schedule, period: a communication-avoiding schedule around ``method``
             (:mod:`cerar.experiments.train.schedules`: ``"accum"`` with ``K = period``,
             ``"localsgd"`` or ``"diloco"`` with ``H = period``), from the spec ``diloco:10:cerar:8``;
@@ -138,6 +143,7 @@ class TrainConfig:
     method: str = "allreduce"
     components: int | None = None
     packet: str | None = None
+    parallel: str = "ddp"
     powersgd_rank: int = field(default=4, metadata=flag("powersgd: the matrix approximation rank"))
     schedule: str | None = None
     period: int | None = None
@@ -190,6 +196,7 @@ class TrainConfig:
             check_choice("packet", self.packet, PACKETS)
             if self.method != "cerar":
                 raise ValueError(f"Argument 'packet' applies to method 'cerar' only, not {self.method!r}.")
+        check_parallel(self)
         check_int("powersgd_rank", self.powersgd_rank, minimum=1)
         check_int("steps", self.steps, minimum=1)
         check_int("batch_size", self.batch_size, minimum=1)
@@ -229,10 +236,12 @@ class TrainConfig:
 
     @property
     def name(self) -> str:
-        """The method with its parameter, and its schedule if any: ``allreduce``, ``cerar-c8``,
-        ``powersgd-r4``, ``diloco-h10-cerar-c8-fp16``."""
+        """The method with its parameter, and its schedule or process group if any: ``allreduce``,
+        ``cerar-c8``, ``powersgd-r4``, ``diloco-h10-cerar-c8-fp16``, ``hsdp-cerar-c8-fp16``."""
         if self.schedule is not None:
             return schedule_name(self, self.method_name)
+        if self.parallel != "ddp":
+            return f"{self.parallel}-{self.method_name}"
         return self.method_name
 
     @property
@@ -297,13 +306,17 @@ def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
     TrainConfig fields it sets (the hook's
     :attr:`~cerar.experiments.train.methods.Hook.parameter`, and ``packet``). A schedule's spec
     (``"accum:4"``, ``"diloco:10:cerar:8:fp16"``) gives the method underneath, its overrides
-    adding ``schedule`` and ``period`` (:func:`cerar.experiments.train.schedules.parse_schedule`)."""
+    adding ``schedule`` and ``period`` (:func:`cerar.experiments.train.schedules.parse_schedule`);
+    a process group's (``"group:cerar:8"``, ``"hsdp:auto:2e-2"``), ``parallel``."""
     world_size = check_int("world_size", world_size, minimum=1)
     if not isinstance(spec, str):
         raise TypeError(f"Argument 'method' must be a string, not {spec!r}.")
     name, _, param = spec.partition(":")
-    if check_choice("method", name, (*HOOKS, *SCHEDULES)) in SCHEDULES:
+    if check_choice("method", name, (*HOOKS, *SCHEDULES, *PARALLELS)) in SCHEDULES:
         return parse_schedule(spec, world_size, parse_method)
+    if name in PARALLELS:  # group:<method>, hsdp:<method> (its kN: N the nodes, as passed)
+        inner, overrides = parse_method(param or "allreduce", world_size)
+        return inner, {**overrides, "parallel": name}
     hook = HOOKS[name]
     param, _, packet = param.partition(":")
     if packet:
@@ -353,6 +366,6 @@ def config_from_args(
     spec's parameter wins over ``--powersgd-rank``. ``nodes``: the ``M`` of a hierarchical
     method's ``kN`` (its code is for the nodes)."""
     base = inner_spec(method).partition(":")[0]  # a schedule's: the method underneath
-    hierarchical = HOOKS[base].hierarchical if base in HOOKS else False
+    hierarchical = HOOKS[base].hierarchical if base in HOOKS else base == "hsdp"
     name, overrides = parse_method(method, nodes if hierarchical and nodes else world_size)
     return from_flags(args, TrainConfig, method=name, seed=seed, **overrides)

@@ -13,7 +13,6 @@ step (:mod:`cerar.experiments.train.periodic`), their blocking averages recorded
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from cerar.experiments.train.data import Split, load_split, train_batch, validat
 from cerar.experiments.train.installed import InstalledHook
 from cerar.experiments.train.methods import install
 from cerar.experiments.train.model import build_model, lm_loss, parameter_groups
+from cerar.experiments.train.parallel import build_parallel, no_buffer_sync
 from cerar.experiments.train.periodic import install_schedule
 from cerar.experiments.train.timeline import Timeline
 
@@ -38,13 +38,6 @@ Progress = Callable[[int, int, float], None]
 #: The hook's counters recorded per step (as differences of the cumulative ones).
 STEP_COUNTERS = ("bytes_sent", "collectives", "encode_s", "decode_s", "collective_wall_s", "syncs", "sync_s")
 
-# The model's only buffers are rotary constants, equal on every rank: no per-forward broadcast.
-# torch 2.13 renamed the option (``broadcast_buffers`` is deprecated there).
-NO_BUFFER_SYNC: dict[str, bool] = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else {"broadcast_buffers": False}
-)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -66,9 +59,14 @@ def train(config: TrainConfig, progress: Progress | None = None, split: Split | 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     split = split if split is not None else load_split()
     module = build_model(config.model, config.seed)
-    model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb, **NO_BUFFER_SYNC)
-    timeline = Timeline(module)
-    hook = install(config, model, timeline) if config.schedule is None else install_schedule(config, model, timeline)
+    replicas = None  # the group the replicas are compared over (None: the world)
+    if config.parallel != "ddp":  # through cerar's process group (DDP without a hook, or HSDP)
+        model, hook, timeline, replicas = build_parallel(config, module, world_size)
+    else:
+        model = DistributedDataParallel(module, bucket_cap_mb=config.bucket_cap_mb, **no_buffer_sync())
+        timeline = Timeline(module)
+        installer = install if config.schedule is None else install_schedule
+        hook = installer(config, model, timeline)
     optimizer = torch.optim.AdamW(
         parameter_groups(module, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8
     )
@@ -77,23 +75,23 @@ def train(config: TrainConfig, progress: Progress | None = None, split: Split | 
     val_tokens = validation_batch(split, config.eval_sequences, config.model.seq_len)[rank::world_size]
 
     steps: list[dict[str, float]] = []
-    evals = [_evaluate(model, val_tokens, 0, 0.0)]
+    evals = [_evaluate(module, val_tokens, 0, 0.0, replicas)]
     train_time = 0.0  # evaluation is kept out of it
     before = hook.counters()
     for step in range(config.steps):
         tokens = train_batch(split, step, rank, world_size, config.batch_size, config.model.seq_len, config.seed)
-        record = _step(model, tokens, optimizer, scheduler, hook, timeline, config)
+        record = _step(model, module, tokens, optimizer, scheduler, hook, timeline, config)
         after = hook.counters()  # this step's share of the cumulative counters
         record.update({key: after[key] - before[key] for key in STEP_COUNTERS})
         before = after
         steps.append(record)
         train_time += record["step_s"]
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            evals.append(_evaluate(model, val_tokens, step + 1, train_time))
+            evals.append(_evaluate(module, val_tokens, step + 1, train_time, replicas))
         if progress is not None:
             progress(step + 1, config.steps, record["loss"])
     return {
-        "final_divergence": _exact_divergence(module),
+        "final_divergence": _exact_divergence(module, replicas),
         "rank": rank,
         "world_size": world_size,
         "method": hook.name,
@@ -110,7 +108,8 @@ def train(config: TrainConfig, progress: Progress | None = None, split: Split | 
 
 
 def _step(
-    model: DistributedDataParallel,
+    model: torch.nn.Module,
+    module: torch.nn.Module,
     tokens: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -138,12 +137,13 @@ def _step(
     compute_end = timeline.compute_end or backward_end
     exposed = timeline.exposed()
     clip = config.grad_clip if config.grad_clip > 0 else math.inf
-    finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(model.module.parameters(), clip)))
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+    finite = bool(torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))  # FSDP2: a DTensor
     if finite:
         optimizer.step()  # else skip the update, as a loss scaler would (counted by the caller)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    resynced = hook.after_step(model.module)
+    resynced = hook.after_step(module)
     end, cpu_end = time.perf_counter(), time.process_time()
     return {
         "loss": float(loss.detach()) + earlier,
@@ -175,14 +175,14 @@ def _accumulate(model: DistributedDataParallel, tokens: torch.Tensor, micro_batc
     return earlier, parts[-1]
 
 
-def _exact_divergence(module: torch.nn.Module, top: int = 4) -> dict[str, Any]:
+def _exact_divergence(module: torch.nn.Module, group: Any = None, top: int = 4) -> dict[str, Any]:
     """Exact ``max_j ||theta_j - theta_0|| / ||theta_0||`` at the end of training (all parameters
     gathered: fine at this scale), and the tensors that contribute most to it. Checks the
     sketch estimate and shows *where* replicas drift (e.g. rows of unused byte embeddings,
     whose true gradient is 0: Adam's normalisation turns decode noise there into full steps)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
+    flat = torch.cat([_local(p).detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
     reference = gathered[0].double()
     diffs = torch.stack([g.double() - reference for g in gathered])  # (N, P)
     norm0 = float(torch.linalg.vector_norm(reference))
@@ -190,18 +190,21 @@ def _exact_divergence(module: torch.nn.Module, top: int = 4) -> dict[str, Any]:
     per_tensor = []
     offset = 0
     for name, p in module.named_parameters():
-        part = diffs[:, offset : offset + p.numel()]
-        offset += p.numel()
+        numel = _local(p).numel()
+        part = diffs[:, offset : offset + numel]
+        offset += numel
         per_tensor.append((float(torch.linalg.vector_norm(part, dim=1).max()) / norm0, name))
     per_tensor.sort(reverse=True)
     return {"exact": total, "largest": [{"name": n, "share": v} for v, n in per_tensor[:top] if v > 0]}
 
 
-def _evaluate(model: DistributedDataParallel, tokens: torch.Tensor, step: int, train_time: float) -> dict[str, float]:
+def _evaluate(
+    module: torch.nn.Module, tokens: torch.Tensor, step: int, train_time: float, replicas: Any
+) -> dict[str, float]:
     """Validation loss (each rank scores its own replica on its slice of the fixed validation
-    set; the mean over all sequences is returned on every rank) and replica divergence."""
+    set; the mean over all sequences is returned on every rank) and replica divergence (over
+    ``replicas``: the ranks holding the same shards; None: the world)."""
     started = time.perf_counter()
-    module = model.module
     module.eval()
     total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
@@ -211,7 +214,7 @@ def _evaluate(model: DistributedDataParallel, tokens: torch.Tensor, step: int, t
             total[1] += len(batch)
     module.train()
     dist.all_reduce(total)
-    divergence = replica_divergence(module)
+    divergence = replica_divergence(module, replicas)
     return {
         "step": float(step),
         "train_time_s": train_time,
@@ -219,3 +222,8 @@ def _evaluate(model: DistributedDataParallel, tokens: torch.Tensor, step: int, t
         "divergence": divergence,
         "eval_s": time.perf_counter() - started,
     }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -1,0 +1,152 @@
+"""Making cerar's process groups: :func:`new_group` (as ``torch.distributed.new_group``), and the
+``"cerar"`` backend (:func:`register_backend`, done when :mod:`cerar.group` loads), so that
+``dist.init_process_group("cerar")`` and ``dist.new_group(ranks, backend="cerar",
+pg_options=GroupSettings(...))`` make one too (torch 2.6 and newer: a backend creator may return
+a ``ProcessGroup`` subclass, and its ``new_group`` takes ranks in the group's own numbering).
+
+Either way the group is registered with torch under its name, so ``DeviceMesh.from_group``, the
+functional collectives, ``dist.get_process_group_ranks`` and rank translation find it. Its two
+inner groups (exact, transport) are made with it: by ``dist.new_group`` from :func:`new_group`
+(every rank of the world calls it, as torch's), or, in a backend creator (which only the
+members run), straight from the store torch hands it, and registered the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from cerar.coding.code import MAX_ERROR, Code
+from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
+from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
+from cerar.comm.ring.links import group_timeout
+
+__all__ = ["BACKEND", "new_group", "register_backend"]
+
+BACKEND = "cerar"
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    *,
+    method: str = "cerar",
+    code: Code | None = None,
+    packet_dtype: torch.dtype | None = None,
+    max_error: float | None = MAX_ERROR,
+    min_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
+    nonfinite: str = "exact",
+    ranks_per_node: int | None = None,
+) -> Any:
+    """A :class:`CerarProcessGroup` over ``ranks`` (global ranks; None: the world), as
+    ``torch.distributed.new_group``: every rank of the world calls it, in the same order, and
+    the others get torch's non-member marker.
+
+    Args:
+        method: the coded all-reduces' method, one the DDP hooks take: ``"cerar"``,
+            ``"ring"`` (cerar's exact ring; with ``packet_dtype=torch.float16`` the 16-bit ring),
+            ``"auto"`` (the fastest within ``max_error``, per size), ``"hier-cerar"`` and
+            ``"hier-ring"`` (exact inside each node, with ``ranks_per_node``).
+        code, packet_dtype, max_error, nonfinite: as :func:`cerar.all_reduce` (``nonfinite``
+            defaults to ``"exact"``, as the DDP hooks: a gradient with NaN/Inf is summed exactly).
+        min_bytes: all-reduces of tensors smaller than this go to the exact group (default 2 MiB,
+            the DDP hook's: CERAR's fixed cost per call outweighs the bytes it saves below it).
+        ranks_per_node: the hierarchical path, exact inside each node of that many ranks.
+
+    The inner groups take the default group's backend (Gloo on CPU, NCCL on CUDA) and timeout.
+    Bad arguments raise ValueError or TypeError naming the argument and the value, on every rank.
+    """
+    settings = GroupSettings(method, code, packet_dtype, max_error, min_bytes, nonfinite, ranks_per_node)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    world = dist.get_world_size()
+    members = _members(ranks, world)
+    if ranks_per_node is not None and len(members) % ranks_per_node:
+        raise ValueError(f"Argument 'ranks_per_node' must divide the {len(members)} ranks, not {ranks_per_node}.")
+    if code is not None and method != "auto":
+        expected = len(members) // (ranks_per_node or 1)
+        if code.world_size != expected:
+            raise ValueError(f"Argument 'code' must be for {expected} ranks, not world_size={code.world_size}.")
+    options = {"timeout": group_timeout(None), "backend": _inner_backend()}
+    exact = dist.new_group(members, **options)
+    transport = dist.new_group(members, **options)
+    if dist.get_rank() not in members:
+        return dist.GroupMember.NON_GROUP_MEMBER
+    group = CerarProcessGroup(exact, transport, settings, exact.rank(), exact.size())
+    _register(group, members, f"cerar:{exact.group_name}")
+    return group
+
+
+def _members(ranks: Sequence[int] | None, world: int) -> list[int]:
+    if ranks is None:
+        return list(range(world))
+    if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise TypeError(f"Argument 'ranks' must be a sequence of integers, not {ranks!r}.")
+    members = sorted(ranks)
+    if not members or len(set(members)) != len(members) or members[0] < 0 or members[-1] >= world:
+        raise ValueError(f"Argument 'ranks' must name distinct ranks of the world, 0 to {world - 1}, not {ranks}.")
+    return members
+
+
+def _inner_backend() -> str:
+    """The backend of the inner groups: the default group's, unless that is cerar itself."""
+    backend = str(dist.get_backend())
+    if backend != BACKEND:
+        return backend
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _register(group: dist.ProcessGroup, global_ranks: Sequence[int], name: str) -> None:
+    """Make torch's helpers know ``group`` as a group of ``global_ranks`` called ``name``, as
+    ``dist.new_group`` registers its own (rank translation, ``DeviceMesh``, the functional
+    collectives' name registry)."""
+    group._set_group_name(name)
+    c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(global_ranks)}
+    c10d._world.pg_names[group] = name
+    c10d._world.pg_map[group] = (BACKEND, None)
+    c10d._register_process_group(name, group)
+
+
+_DEFAULTS = [GroupSettings()]  # the backend's groups made without pg_options
+
+
+def register_backend(**settings: Any) -> None:
+    """Register the ``"cerar"`` backend with torch.distributed (once; :mod:`cerar.group` does it
+    when it loads). ``settings`` (:func:`new_group`'s keywords but ``ranks``) become the settings
+    of the groups it makes without ``pg_options``, as ``init_process_group("cerar")`` does."""
+    if settings:
+        _DEFAULTS[0] = GroupSettings(**settings)
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def _create(options: Any, settings: Any) -> CerarProcessGroup:
+    """The backend's creator: only the members run it, so its inner groups are made from the
+    store torch hands it (not by ``dist.new_group``), and registered."""
+    settings = _DEFAULTS[0] if settings is None else settings
+    if not isinstance(settings, GroupSettings):
+        raise TypeError(f"Argument 'pg_options' of a cerar group must be GroupSettings, not {type(settings).__name__}.")
+    rank, size, store = options.group_rank, options.group_size, options.store
+    global_ranks = list(options.global_ranks_in_group) or list(range(size))
+    inner = []
+    for part in ("exact", "transport"):
+        inner.append(_store_group(c10d.PrefixStore(f"cerar-{part}/", store), rank, size, options.timeout))
+        _register(inner[-1], global_ranks, f"{options.group_id}:cerar-{part}")
+    return CerarProcessGroup(inner[0], inner[1], settings, rank, size)
+
+
+def _store_group(store: Any, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
+    """A plain group of Gloo (and NCCL for CUDA tensors, where there is a GPU) made from ``store``."""
+    group = dist.ProcessGroup(store, rank, size)
+    gloo = c10d.ProcessGroupGloo(c10d.PrefixStore("cpu/", store), rank, size, timeout)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        nccl_options = c10d.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        nccl = c10d.ProcessGroupNCCL(c10d.PrefixStore("cuda/", store), rank, size, nccl_options)
+        group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+    return group

@@ -1,0 +1,281 @@
+"""cerar as a ``torch.distributed.ProcessGroup``: :class:`CerarProcessGroup` runs CERAR (or another
+method) for the all-reduces that are plainly gradient-sized float sums and hands every other call
+to an exact group of the same ranks, unchanged.
+
+A Python subclass of ``ProcessGroup`` receives what torch's C++ and Python callers ask of a group:
+DDP's buckets (``allreduce``, SUM of a pre-divided bucket) and its start-up ``allgather`` and
+``broadcast``s, FSDP2's HSDP all-reduce over the replicate dimension (AVG, or SUM), the
+functional collectives, ``DeviceMesh``, ``dist.*``. Its routing, decided per call and the same on
+every rank, since it depends on the call alone:
+
+=====================================================  =========================================
+all-reduce, SUM or AVG, floating dense tensors each    the group's method on cerar's transport
+of at least ``min_bytes``, outside ``cerar.exact()``   (``cerar``, ``ring``, ``auto``, or the
+                                                       hierarchical path with ``ranks_per_node``)
+any other all-reduce (MAX, MIN, PRODUCT, PREMUL_SUM,   the exact group (bitwise what it gives)
+integers, complex, sparse, small tensors)
+every other collective, send/recv, barrier             the exact group, unchanged
+=====================================================  =========================================
+
+The coded calls return a work whose future's value is the tensors, reduced in place (DDP reads
+the value, ``dist.*`` the tensors); their errors (a dead peer, a mismatch, ``nonfinite="raise"``)
+reach ``wait()`` and the future. Two groups are made for it (:func:`cerar.comm.group.create.new_group`):
+``exact`` for everything handed over, ``transport`` for cerar's own point-to-point messages, so
+that these never share a communicator with the caller's collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cerar._checks import check_choice, check_int
+from cerar.coding.code import MAX_ERROR, Code, check_max_error
+from cerar.comm.auto.collective import auto_all_reduce
+from cerar.comm.collective.api import all_reduce, ring_all_reduce
+from cerar.comm.collective.checks import check_packet_dtype
+from cerar.comm.collective.hierarchical import hierarchical_all_reduce, hierarchical_ring_all_reduce
+from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
+
+__all__ = ["METHODS", "CerarProcessGroup", "GroupSettings", "RouteStats", "exact"]
+
+#: The methods a group runs its coded all-reduces with (the DDP hooks' names).
+METHODS = ("cerar", "ring", "auto", "hier-cerar", "hier-ring")
+_RED = dist.ReduceOp.RedOpType
+_OP_NAMES = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.MAX: "max", _RED.MIN: "min", _RED.PRODUCT: "product"}
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """What a :class:`CerarProcessGroup` codes and how, checked when built (see
+    :func:`cerar.comm.group.create.new_group` for each setting)."""
+
+    method: str = "cerar"
+    code: Code | None = None
+    packet_dtype: torch.dtype | None = None
+    max_error: float | None = MAX_ERROR
+    min_bytes: int = DEFAULT_MIN_BUCKET_BYTES
+    nonfinite: str = "exact"
+    ranks_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("method", self.method, METHODS)
+        if self.code is not None and not isinstance(self.code, Code):
+            raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(self.code).__name__}.")
+        if self.code is not None and self.method not in ("cerar", "hier-cerar"):
+            raise ValueError(f"Argument 'code' applies to method 'cerar' only, not to {self.method!r}.")
+        check_packet_dtype(self.packet_dtype)
+        check_max_error(self.max_error)
+        check_int("min_bytes", self.min_bytes, minimum=0)
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_int("ranks_per_node", self.ranks_per_node, minimum=1, optional=True)
+        if self.method == "auto" and self.ranks_per_node is not None:
+            raise ValueError(f"Argument 'ranks_per_node' does not apply to method 'auto', not {self.ranks_per_node}.")
+        if self.method.startswith("hier-") and self.ranks_per_node is None:
+            raise ValueError(f"Argument 'ranks_per_node' must be given for method {self.method!r}, not None.")
+
+
+@dataclass
+class RouteStats:
+    """Calls, payload bytes and seconds by route (``"cerar"``: the group's method; ``"exact"``:
+    the exact group) and by op (``"sum"``, ``"avg"``, ``"max"``, ..., or the collective's name).
+    The wire bytes of the coded calls are the transport's (``cerar.collective.get_stats``)."""
+
+    routes: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    last_done: float = 0.0  # time.perf_counter() of the latest all-reduce's completion
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, route: str, op: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        with self._lock:
+            if seconds:
+                self.last_done = max(self.last_done, time.perf_counter())
+            entry = self.routes.setdefault(route, {}).setdefault(op, {"calls": 0, "bytes": 0, "seconds": 0.0})
+            entry["calls"] += calls
+            entry["bytes"] += nbytes
+            entry["seconds"] += seconds
+
+    def as_dict(self) -> dict[str, dict[str, dict[str, float]]]:
+        with self._lock:
+            return {route: {op: dict(v) for op, v in ops.items()} for route, ops in self.routes.items()}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.routes.clear()
+
+
+_EXACT = threading.local()  # per thread: the groups (None: every group) under cerar.exact()
+
+
+@contextlib.contextmanager
+def exact(group: Any = None) -> Iterator[None]:
+    """Send every all-reduce this thread makes on ``group`` (a :class:`CerarProcessGroup`; None:
+    every one) to its exact group while inside: metrics and loss logging that must be bitwise the
+    same on every rank. Per thread: FSDP2's hooks on autograd's thread keep their route."""
+    if group is not None and not isinstance(group, CerarProcessGroup):
+        raise TypeError(f"Argument 'group' must be a cerar process group or None, not {type(group).__name__}.")
+    held: list[Any] = _EXACT.__dict__.setdefault("groups", [])
+    held.append(group)
+    try:
+        yield
+    finally:
+        held.remove(group)
+
+
+class _CodedWork(dist.Work):
+    """A coded call's work: ``wait()`` re-raises its error; ``get_future()`` is what DDP reads."""
+
+    def __init__(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class CerarProcessGroup(dist.ProcessGroup):
+    """A process group whose plainly gradient-sized float sums go by ``settings.method`` on
+    ``transport`` and everything else to ``exact`` (see the module doc). ``stats``: a
+    :class:`RouteStats`."""
+
+    def __init__(
+        self, exact: dist.ProcessGroup, transport: dist.ProcessGroup, settings: GroupSettings, rank: int, size: int
+    ) -> None:
+        super().__init__(rank, size)  # torch 2.13 takes (rank, size) only from a Python subclass
+        self.exact, self.transport, self.settings = exact, transport, settings
+        self.stats = RouteStats()
+        self._name = self._desc = ""
+
+    # -- what torch asks of every group (C++ reaches these names through pybind's trampoline)
+    def getBackendName(self) -> str:
+        return "cerar"
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def __repr__(self) -> str:
+        return f"CerarProcessGroup(name={self._name!r}, rank={self.rank()}, size={self.size()}, {self.settings})"
+
+    # -- all-reduce: coded or handed over
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = dist.AllreduceOptions() if opts is None else opts
+        return self._allreduce(tensors, opts.reduceOp, lambda: self.exact.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = dist.AllreduceCoalescedOptions() if opts is None else opts
+        return self._allreduce(tensors, opts.reduceOp, lambda: self.exact.allreduce_coalesced(tensors, opts))
+
+    def codes(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
+        """Whether an all-reduce of ``tensors`` with ``op`` goes by the group's method."""
+        held = getattr(_EXACT, "groups", ())
+        if None in held or self in held or _op_name(op) not in ("sum", "avg"):
+            return False
+        least = self.settings.min_bytes
+        return bool(tensors) and all(
+            t.layout == torch.strided and t.is_floating_point() and t.numel() * t.element_size() >= least
+            for t in tensors
+        )
+
+    def _allreduce(self, tensors: list[torch.Tensor], op: Any, handed: Callable[[], dist.Work]) -> dist.Work:
+        name, nbytes, started = _op_name(op), sum(t.numel() * t.element_size() for t in tensors), time.perf_counter()
+        coded = self.codes(tensors, op)
+        route = "cerar" if coded else "exact"
+        work = self._coded(tensors, name) if coded else handed()
+
+        def timed(done: torch.futures.Future[Any]) -> None:
+            self.stats.add(route, name, nbytes, time.perf_counter() - started)
+
+        work.get_future().add_done_callback(timed)
+        return work
+
+    def _coded(self, tensors: list[torch.Tensor], op: str) -> dist.Work:
+        """Each tensor by the group's method, asynchronously, in place."""
+        futures = [self._start(t, op).get_future() for t in tensors]
+        if len(futures) == 1:
+            return _CodedWork(futures[0].then(lambda f: (f.value(), tensors)[1]))
+
+        def every(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> list[torch.Tensor]:
+            for future in done.value():
+                future.value()  # re-raises a call's error
+            return tensors
+
+        return _CodedWork(torch.futures.collect_all(futures).then(every))
+
+    def _start(self, tensor: torch.Tensor, op: str) -> Any:
+        s, transport = self.settings, self.transport
+        if s.method == "auto":
+            return auto_all_reduce(tensor, op, transport, True, max_error=s.max_error, nonfinite=s.nonfinite)
+        if s.ranks_per_node is not None:
+            if s.method in ("cerar", "hier-cerar"):
+                return hierarchical_all_reduce(
+                    tensor, op, transport, True, ranks_per_node=s.ranks_per_node, code=s.code, nonfinite=s.nonfinite,
+                    packet_dtype=s.packet_dtype,
+                )  # fmt: skip
+            return hierarchical_ring_all_reduce(tensor, op, transport, True, ranks_per_node=s.ranks_per_node)
+        if s.method == "ring":
+            return ring_all_reduce(tensor, op, transport, True, wire_dtype=s.packet_dtype)
+        return all_reduce(
+            tensor, op, transport, True, code=s.code, nonfinite=s.nonfinite, packet_dtype=s.packet_dtype,
+            max_error=s.max_error,
+        )  # fmt: skip
+
+
+def _op_name(op: Any) -> str:
+    kind = op.op if hasattr(op, "op") else op
+    return _OP_NAMES.get(kind, str(kind).rsplit(".", 1)[-1].lower())
+
+
+def _handed_over(name: str) -> Callable[..., Any]:
+    """A collective of the exact group, as it is, counted by route."""
+
+    def method(self: CerarProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        tensors = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
+        self.stats.add("exact", name, sum(t.numel() * t.element_size() for t in tensors))
+        return getattr(self.exact, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in _tensors(v)] if isinstance(value, list) else []
+
+
+#: Every other collective torch's callers reach a Python group by (the trampoline's names, and
+#: the ones ``dist.*`` looks up by name), handed to the exact group; the old names alias the new.
+_HANDED = (
+    "broadcast", "allgather", "all_gather_single", "all_gather_single_coalesced", "allgather_coalesced",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced", "all_to_all_single", "alltoall",
+    "barrier", "send", "recv", "recv_anysource", "gather", "scatter", "reduce", "monitored_barrier",
+)  # fmt: skip
+for _name in _HANDED:
+    setattr(CerarProcessGroup, _name, _handed_over(_name))
+CerarProcessGroup._allgather_base = CerarProcessGroup.all_gather_single  # type: ignore[attr-defined]
+CerarProcessGroup._reduce_scatter_base = CerarProcessGroup.reduce_scatter_single  # type: ignore[attr-defined]
+CerarProcessGroup.allgather_into_tensor_coalesced = CerarProcessGroup.all_gather_single_coalesced  # type: ignore[attr-defined]
+CerarProcessGroup.reduce_scatter_tensor_coalesced = CerarProcessGroup.reduce_scatter_single_coalesced  # type: ignore[attr-defined]
