@@ -348,14 +348,14 @@ def test_train_through_cerars_group_ddp_and_hsdp(tmp_path: Path) -> None:
     out = tmp_path / "groups"
     argv = [
         "train", "--nodes", "3", "--ranks-per-node", "2", "--regime", "fast",
-        "--methods", "hsdp:allreduce", "hsdp:cerar", "group:cerar:8", "--noise-seeds", "1",
+        "--methods", "hsdp:allreduce", "hsdp:cerar", "hsdp:auto", "group:cerar:8", "--noise-seeds", "1",
         "--steps", "3", "--eval-every", "3", "--batch-size", "2", "--layers", "1", "--hidden", "32",
         "--heads", "2", "--seq-len", "32", "--warmup-steps", "1", "--eval-sequences", "6",
         "--timeout-s", "120", "--no-plots", "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     runs = {r["label"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
-    assert set(runs) == {"hsdp-allreduce-s0", "hsdp-cerar-c6-s0", "group-cerar-c8-s0"}
+    assert set(runs) == {"hsdp-allreduce-s0", "hsdp-cerar-c6-s0", "hsdp-auto-s0", "group-cerar-c8-s0"}
     base = runs["hsdp-allreduce-s0"]["final_val_loss"]
     assert runs["hsdp-cerar-c6-s0"]["final_val_loss"] == pytest.approx(base, abs=1e-2)
     for run in runs.values():

@@ -67,6 +67,35 @@ def test_ddp_ranks_run_the_same_tournament(fail_cerar: bool) -> None:
         assert results[0]["plan"]["winner"] in ("exact", "fp16")
 
 
+def _ddp_resumed(rank: int, world_size: int) -> dict[str, Any]:
+    from cerar.ddp import AutoConfig, AutoState, auto_hook
+
+    model = DDP(_model(), bucket_cap_mb=0.005)
+    state = AutoState(max_error=0.1, auto=AutoConfig(trials=1))
+    model.register_comm_hook(state, auto_hook)
+
+    def step(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+
+    for i in range(4):
+        step(10 * i + rank)
+    side = state.side
+    saved = AutoState(max_error=1e-3, auto=AutoConfig(trials=2)).state_dict()  # a checkpoint's settings
+    state.load_state_dict(saved)
+    for i in range(4, 8):
+        step(10 * i + rank)
+    assert state.last_step is not None
+    return {"same_side": state.side is side, "max_error": state.max_error, "trials": state.auto.trials,
+            "reasons": sorted({b.reason for b in state.last_step.buckets})}  # fmt: skip
+
+
+def test_ddp_a_checkpoint_loaded_mid_run_restarts_the_tournament_on_the_same_side_group() -> None:
+    results = check(run_ranks(_ddp_resumed, 2, timeout=TIMEOUT))
+    assert results[0] == results[1]
+    assert results[0]["same_side"] and results[0]["max_error"] == 1e-3 and results[0]["trials"] == 2
+
+
 def _ddp_differing(rank: int, world_size: int) -> str:
     from cerar.ddp import AutoState, auto_hook
 

@@ -99,6 +99,13 @@ def test_fresh_scale_is_checked_and_left_to_auto() -> None:
         cerar.all_reduce(torch.ones(3), method="auto", fresh_scale=True)
 
 
+def test_an_unknown_method_is_named() -> None:
+    _no_group()
+    message = r"^Argument 'method' must be 'cerar' or one of the registered \['auto'\] .*, not 'nccl'\.$"
+    with pytest.raises(ValueError, match=message):
+        cerar.all_reduce(torch.ones(3), method="nccl")
+
+
 def test_op_spellings_that_are_accepted() -> None:
     assert dist.ReduceOp.SUM == 0  # why the check compares by type first
     accepted = {

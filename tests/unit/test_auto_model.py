@@ -1,6 +1,6 @@
 """``method="auto"``'s pieces beside the tournament, in one process: the candidates and their
-errors, the cost model's fit and its decision for ``cerar plan`` (budget, margin, hysteresis), and
-the pinned table."""
+errors, the cost model's fit and its decision for ``cerar plan`` (budget, margin), and the
+pinned table."""
 
 from __future__ import annotations
 
@@ -55,17 +55,15 @@ def test_fit_recovers_the_constants() -> None:
     assert fit_cost_model([(EXACT, 100.0, math.inf)]) is None
 
 
-def test_decision_margin_hysteresis_budget() -> None:
+def test_decision_margin_and_budget() -> None:
     def decide(times: list[float], **options: object) -> tuple[str, str]:
-        settings = {"margin": 0.03, "hysteresis": 0.05, "allowed": range(len(times)), **options}
+        settings = {"margin": 0.03, "allowed": range(len(times)), **options}
         choice = decide_slot(CANDIDATES, times, **settings)  # type: ignore[arg-type]
         return CANDIDATES[choice.candidate].name, choice.reason
 
     assert decide([1.0, 0.6, 0.5, 0.7]) == ("cerar", "fastest")  # 17% under the best ring
     assert decide([1.0, 0.6, 0.59, 0.7]) == ("fp16", "margin")  # 1.7%: not by the margin
     assert decide([1.0, 0.6, 0.59, 0.7], margin=0.0) == ("cerar", "fastest")
-    assert decide([1.0, 0.6, 0.5, 0.7], previous=1) == ("cerar", "fastest")  # 17% beats the hysteresis
-    assert decide([1.0, 0.52, 0.5, 0.7], previous=1, margin=0.0) == ("fp16", "hysteresis")
     assert decide([1.0, 0.6, 0.5, 0.7], allowed=[0]) == ("exact", "budget")
     assert decide([1.0, math.inf, math.inf, 0.9]) == ("cerar-fp16", "fastest")  # failed ones are out
     assert decide([math.inf] * 4) == ("exact", "fastest")  # nothing known: exact

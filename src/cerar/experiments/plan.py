@@ -138,7 +138,7 @@ def plan_table(plan: Plan, margin: float, sizes: Sequence[int] = TABLE_SIZES) ->
 
     def choose(size: int) -> tuple[list[float], int, str]:
         times = [plan.model.predict(m, size / 4.0) for m in plan.modelled]
-        choice = decide_slot(plan.modelled, times, range(len(times)), margin=margin, hysteresis=0.0)
+        choice = decide_slot(plan.modelled, times, range(len(times)), margin=margin)
         return times, choice.candidate, choice.reason
 
     rows = []

@@ -134,11 +134,12 @@ class AutoState(CerarState):
         self.torch_bytes = 0  # what torch's collectives sent for it (the exact and 16-bit rings), by the ring formula
         self._forget()
 
-    def _forget(self) -> None:
-        """What the first bucket builds again (after unpickling or loading settings too)."""
+    def _forget(self, keep_side: bool = False) -> None:
+        """What the first bucket builds again (after unpickling or loading settings too; a
+        state that loaded settings keeps its side group)."""
         self.candidates: list[Candidate] | None = None
         self.tournament: Tournament | None = None
-        self.side: SideGroup | None = None
+        self.side: SideGroup | None = self.side if keep_side else None
         self._run = Run(0, -1, 0)
         self._in_pass = False  # a bucket of this backward pass was handed to the hook
         self._step_end: float | None = None
@@ -162,7 +163,7 @@ class AutoState(CerarState):
 
     def load_state_dict(self, state_dict: Any) -> None:
         super().load_state_dict(state_dict)
-        self._forget()  # the loaded settings take effect, agreed again, at the next bucket
+        self._forget(keep_side=True)  # the loaded settings take effect, agreed again, at the next bucket
 
     @property
     def plan(self) -> dict[str, Any]:

@@ -15,10 +15,10 @@ once)::
 :func:`fit_cost_model` fits it to timed calls (each a median of the slowest rank's times) by
 non-negative least squares with relative weights (times span decades; every size counts alike).
 Measured under real traffic the ``gamma`` terms carry what coding costs while backward competes
-for the cores. :func:`decide_slot` then picks one bucket's method: the smallest predicted time,
-CERAR only when it beats the best exact/16-bit candidate by ``margin``, the previous choice kept
-unless the new one is ``hysteresis`` faster. Pure numpy/scipy: identical inputs give identical
-choices on every rank.
+for the cores. :func:`decide_slot` then picks a size's method: the smallest predicted time, CERAR
+only when it beats the best exact/16-bit candidate by ``margin``. ``cerar plan`` and the bench's
+prediction column use it; ``method="auto"`` decides by its tournament
+(:mod:`cerar.comm.auto.tournament`), not by the model.
 """
 
 from __future__ import annotations
@@ -34,32 +34,23 @@ from cerar.comm.auto.candidates import Candidate
 
 __all__ = ["REASONS", "Choice", "CostModel", "decide_slot", "fit_cost_model"]
 
-#: Why a bucket went the way it did (``Choice.reason``).
+#: Why a size went the way it did (``Choice.reason``).
 REASONS = {
-    "warmup": "the exact warm-up steps before the trials",
-    "trial": "a trial step of this candidate (every bucket of the step by it)",
     "fastest": "the smallest predicted time within the budget",
     "budget": "the only candidate within the error budget",
     "margin": "CERAR was predicted faster, but not by the margin: the best exact/16-bit ring",
-    "hysteresis": "kept: the new best was not predicted faster by the hysteresis",
     "pinned": "the user's pinned table restricts this size",
-    "verify": "measured slower than predicted or than the baseline: back to the baseline",
-    "step": "the chosen mix made steps slower than the best single method: that method",
-    "size": "a bucket size not calibrated (DDP rebuilt its buckets): exact until re-calibrated",
-    "fallback": "the candidate's call failed: exact for this call",
-    "agreed": "the ranks' proposals differed: the smallest candidate index among them",
 }
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One bucket's method: the candidate's index, the reason (a key of :data:`REASONS`), its
-    predicted and measured (trial median) seconds where known, and the baseline it falls back to."""
+    """One size's method: the candidate's index, the reason (a key of :data:`REASONS`), its
+    predicted seconds where known, and the baseline (the best exact/16-bit ring)."""
 
     candidate: int
     reason: str
     predicted_s: float | None = None
-    measured_s: float | None = None
     baseline: int = 0
 
 
@@ -159,27 +150,14 @@ def fit_cost_model(observations: Iterable[tuple[Candidate, float, float]]) -> Co
 
 
 def decide_slot(
-    candidates: Sequence[Candidate],
-    predicted: Sequence[float],
-    allowed: Sequence[int],
-    *,
-    margin: float,
-    hysteresis: float,
-    previous: int | None = None,
+    candidates: Sequence[Candidate], predicted: Sequence[float], allowed: Sequence[int], *, margin: float,
     pinned: bool = False,
-) -> Choice:
-    """One bucket's choice from each candidate's predicted seconds (``inf``: unknown or failed).
-
-    1. Among ``allowed`` (the budget's candidates the pinned table leaves; a pin's reason is
-       ``"pinned"``), the baseline is the exact/16-bit ring with the smallest prediction (exact
-       if none is known).
-    2. The fastest candidate wins if it is a baseline, or if it is predicted faster than the
-       baseline by ``margin`` (a fraction); else the baseline (``"margin"``).
-    3. ``previous`` (the choice before a re-decision) is kept unless the winner is predicted
-       faster than it by ``hysteresis`` (``"hysteresis"``).
-
-    Ties go to the lower index (exact first), so the result depends only on the numbers.
-    """
+) -> Choice:  # fmt: skip
+    """One size's choice from each candidate's predicted seconds (``inf``: unknown or failed):
+    among ``allowed`` (the budget's candidates the pinned table leaves; a pin's reason is
+    ``"pinned"``) the fastest, CERAR only if it is predicted faster than the best exact/16-bit
+    ring (the baseline) by ``margin`` (a fraction), else the baseline (``"margin"``). Ties go to
+    the lower index (exact first), so the result depends only on the numbers."""
     allowed = list(allowed)
     if not allowed:
         raise ValueError("Argument 'allowed' must name at least one candidate, not [].")
@@ -200,13 +178,5 @@ def decide_slot(
         base_time = predicted[baseline]
         if math.isfinite(base_time) and not predicted[winner] < (1.0 - margin) * base_time:
             winner, reason = baseline, "margin"
-    if (
-        previous is not None
-        and previous != winner
-        and previous in allowed
-        and math.isfinite(predicted[previous])
-        and not predicted[winner] < (1.0 - hysteresis) * predicted[previous]
-    ):
-        winner, reason = previous, "hysteresis"
     chosen = predicted[winner]
     return Choice(winner, reason, chosen if math.isfinite(chosen) else None, baseline=baseline)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_choice, check_float
+from cerar._checks import check_float
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import precision_name
 from cerar.comm.collective.call import NonFiniteError, cerar_call, ring_call
@@ -152,7 +152,12 @@ def all_reduce(
     call's of its size) is redone at one that fits, the same on every rank (``stats.rescales``).
     """
     if method != "cerar":
-        route = METHODS[check_choice("method", method, ("cerar", *METHODS))]
+        if method not in METHODS:
+            raise ValueError(
+                f"Argument 'method' must be 'cerar' or one of the registered {sorted(METHODS)} ('auto' registers "
+                f"when cerar.collective, the facade, loads), not {method!r}."
+            )
+        route = METHODS[method]
         if code is not None or packet_dtype is not None or fresh_scale is not False:
             raise ValueError(
                 f"Arguments 'code', 'packet_dtype' and 'fresh_scale' must be left at their defaults with "

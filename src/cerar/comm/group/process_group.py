@@ -129,8 +129,10 @@ def exact(group: Any = None) -> Iterator[None]:
         held.remove(group)
 
 
-class _CodedWork(dist.Work):
-    """A coded call's work: ``wait()`` re-raises its error; ``get_future()`` is what DDP reads."""
+class _FutureWork(dist.Work):
+    """An all-reduce's work as a future: ``wait()`` re-raises its error; ``get_future()`` is what
+    DDP reads. Its future completes after the call's statistics are counted, so that a caller
+    reading them after ``wait()`` sees this call."""
 
     def __init__(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
         super().__init__()
@@ -203,26 +205,26 @@ class CerarProcessGroup(dist.ProcessGroup):
         name, nbytes, started = _op_name(op), sum(t.numel() * t.element_size() for t in tensors), time.perf_counter()
         coded = self.codes(tensors, op)
         route = "cerar" if coded else "exact"
-        work = self._coded(tensors, name) if coded else handed()
+        future = self._coded(tensors, name) if coded else handed().get_future()
 
-        def timed(done: torch.futures.Future[Any]) -> None:
+        def timed(done: torch.futures.Future[Any]) -> Any:
             self.stats.add(route, name, nbytes, time.perf_counter() - started)
+            return done.value()  # re-raises the call's error
 
-        work.get_future().add_done_callback(timed)
-        return work
+        return _FutureWork(future.then(timed))
 
-    def _coded(self, tensors: list[torch.Tensor], op: str) -> dist.Work:
+    def _coded(self, tensors: list[torch.Tensor], op: str) -> torch.futures.Future[list[torch.Tensor]]:
         """Each tensor by the group's method, asynchronously, in place."""
         futures = [self._start(t, op).get_future() for t in tensors]
         if len(futures) == 1:
-            return _CodedWork(futures[0].then(lambda f: (f.value(), tensors)[1]))
+            return futures[0].then(lambda f: (f.value(), tensors)[1])
 
         def every(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> list[torch.Tensor]:
             for future in done.value():
                 future.value()  # re-raises a call's error
             return tensors
 
-        return _CodedWork(torch.futures.collect_all(futures).then(every))
+        return torch.futures.collect_all(futures).then(every)
 
     def _start(self, tensor: torch.Tensor, op: str) -> Any:
         s, transport = self.settings, self.transport

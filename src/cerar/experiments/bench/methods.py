@@ -134,9 +134,9 @@ def _cerar_16(packet: str) -> Call:
 
 
 def _auto(tensor: Any, code: Code | None, stats: CommStats | None, max_error: float | None = None) -> None:
-    from cerar.comm.collective.api import all_reduce
+    from cerar.comm.auto.collective import auto_all_reduce  # what all_reduce(method="auto") runs
 
-    all_reduce(tensor, method="auto", max_error=max_error, stats=stats)
+    auto_all_reduce(tensor, max_error=max_error, stats=stats)
 
 
 def _auto_calibrating(tensor: Any, max_error: float | None = None) -> bool:
