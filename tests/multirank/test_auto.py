@@ -200,6 +200,25 @@ def test_collective_nonfinite_raise_holds_under_the_rings() -> None:
     assert results[0] == results[1] == results[2] == ["raised", "raised", "raised", "fp16"]
 
 
+def _exact_bytes(rank: int, world_size: int) -> list[int]:
+    from cerar.comm.auto.collective import auto_all_reduce
+    from cerar.comm.auto.tournament import AutoConfig
+    from cerar.comm.ring.stats import CommStats
+
+    config = AutoConfig(pins="0,-,ring,fp32,-")  # the exact candidate only
+    sent = []
+    for _ in range(3):
+        stats = CommStats()
+        auto_all_reduce(torch.ones(3000), config=config, stats=stats)
+        sent.append(stats.bytes_sent)
+    return sent
+
+
+def test_collective_counts_the_exact_candidates_bytes_by_the_ring_formula() -> None:
+    for sent in check(run_ranks(_exact_bytes, 3, timeout=TIMEOUT)):
+        assert sent == [2 * 2 * 1000 * 4] * 3  # 2(N-1)/N of 12 kB
+
+
 def _streams(rank: int, world_size: int) -> list[int]:
     from cerar.comm.auto.collective import auto_all_reduce, auto_status
     from cerar.comm.auto.tournament import AutoConfig

@@ -241,7 +241,8 @@ def _start(
     ring = ring_of(group)
     assert ring is not None  # a member: checked by the caller
     if candidate.name == "exact":
-        COMM.submit(functools.partial(agree_call, ring, context, tensor.device, stats), tensor, False)
+        sent = round(2 * (ring.size - 1) / ring.size * tensor.numel() * tensor.element_size())
+        COMM.submit(functools.partial(agree_call, ring, context, tensor.device, stats, sent), tensor, False)
         future = exact_all_reduce(tensor, group, average=op == "avg", async_op=True)
         assert future is not None
         return AutoWork(future)

@@ -186,15 +186,24 @@ def ring_call(
             flat.div_(ring.size)
 
 
-def agree_call(ring: Ring, context: Mapping[str, Any], device: torch.device, stats: CommStats | None) -> None:
+def agree_call(
+    ring: Ring, context: Mapping[str, Any], device: torch.device, stats: CommStats | None, sent: int = 0
+) -> None:
     """The handshake alone, for a call whose data goes another way (``method="auto"``'s exact
     candidate, torch's all-reduce): every rank agrees ``context`` and the call count first, so a
-    rank that differs raises :class:`SettingsMismatchError` everywhere before any data moves."""
+    rank that differs raises :class:`SettingsMismatchError` everywhere before any data moves.
+    ``sent``: the bytes that other way sends (torch's ring, by its formula), added to the
+    statistics beside the handshake's own."""
     call = CommStats()
-    identity = ("agreed", *_items(context))
-    handshake(ring, settings_hash(identity), count_call(ring.group), lambda: dict(context), device=device, stats=call)
-    if stats is not None:
-        stats.handshake_s += call.handshake_s
+    identity, number = ("agreed", *_items(context)), count_call(ring.group)
+    try:
+        handshake(ring, settings_hash(identity), number, lambda: dict(context), device=device, stats=call)
+    finally:
+        call.bytes_sent += sent
+        call.bytes_received += sent
+        group_state(ring.group).stats.add(call)
+        if stats is not None:
+            stats.add(call)
 
 
 class Working:

@@ -17,7 +17,8 @@ class CommStats:
     Attributes:
         calls: collective calls counted.
         rounds: ring rounds run.
-        bytes_sent, bytes_received: bytes handed to / received from point-to-point ops.
+        bytes_sent, bytes_received: bytes handed to / received from point-to-point ops (and
+            ``method="auto"``'s exact candidate's torch all-reduce, by the ring's formula).
         encode_s: time spent computing injections (the packets' increments).
         decode_s: time spent decoding observations into the result.
         coding_cpu_s: CPU time the coding thread spent in the encode and the decode
