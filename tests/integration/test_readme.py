@@ -552,6 +552,17 @@ def test_relative_links_resolve(doc: Path) -> None:
             assert anchor in _anchors(linked), f"{doc.name}: link to {target}: no such heading"
 
 
+#: A file of the repository named in the prose (`src/cerar/comm/ring/engine.py`): moved code leaves
+#: no stale path behind.
+REPO_PATH = re.compile(r"`((?:src|benchmarks|examples|tests|docs)/[\w./-]+\.(?:py|c|md|gz|txt))`")
+
+
+@pytest.mark.parametrize("doc", (README, *sorted((ROOT / "docs").glob("*.md"))), ids=lambda d: d.name)
+def test_named_files_exist(doc: Path) -> None:
+    missing = [p for p in REPO_PATH.findall(_prose(doc)) if not (ROOT / p).exists()]
+    assert not missing, f"{doc.name} names files that do not exist: {missing}"
+
+
 #: A commit hash as a heading would carry one: 7 to 40 hex digits, at least one of them a digit
 #: (so that words such as "defaced" are not taken for one).
 COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", flags=re.I)
