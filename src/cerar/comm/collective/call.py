@@ -198,9 +198,9 @@ def agree_call(
     identity, number = ("agreed", *_items(context)), count_call(ring.group)
     try:
         handshake(ring, settings_hash(identity), number, lambda: dict(context), device=device, stats=call)
-    finally:
-        call.bytes_sent += sent
+        call.bytes_sent += sent  # only once agreed: a refused call sends nothing that way
         call.bytes_received += sent
+    finally:
         group_state(ring.group).stats.add(call)
         if stats is not None:
             stats.add(call)
