@@ -1,8 +1,18 @@
 """``cerar.hierarchical``: the collective for clusters of nodes, exact inside each node and CERAR
 or the exact ring between nodes.
 
-Defined in :mod:`cerar.comm.collective.hierarchical`; this module re-exports its public names.
+Defined in :mod:`cerar.comm.collective.hierarchical` (the layout and one call's body) and
+:mod:`cerar.comm.collective.api` (the calls); this module re-exports their public names.
 """
 
-from cerar.comm.collective.hierarchical import *  # noqa: F403 (the public names, listed in its __all__)
-from cerar.comm.collective.hierarchical import __all__  # noqa: F401
+from cerar.comm.collective.api import hierarchical_all_reduce, hierarchical_ring_all_reduce
+from cerar.comm.collective.hierarchical import NodeLayout, node_layout
+from cerar.comm.ring.handshake import SettingsMismatchError
+
+__all__ = [
+    "NodeLayout",
+    "SettingsMismatchError",
+    "hierarchical_all_reduce",
+    "hierarchical_ring_all_reduce",
+    "node_layout",
+]

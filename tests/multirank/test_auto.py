@@ -33,10 +33,14 @@ def _ddp_auto(rank: int, world_size: int, fail_cerar: bool) -> dict[str, Any]:
 
     if fail_cerar:  # every CERAR candidate fails to start, on every rank
 
-        def refuse(*args: Any) -> Any:
-            raise ValueError("injected failure")
+        start = auto_ddp._start
 
-        auto_ddp.STARTS.update({"cerar": refuse, "cerar-fp16": refuse})
+        def refuse(state: Any, candidate: Any, *args: Any) -> Any:
+            if candidate.coded:
+                raise ValueError("injected failure")
+            return start(state, candidate, *args)
+
+        auto_ddp._start = refuse
     model = DDP(_model(), bucket_cap_mb=0.005)  # several buckets
     state = AutoState(max_error=0.1, auto=AutoConfig(trials=1, recheck_every=3))
     model.register_comm_hook(state, auto_hook)
@@ -237,16 +241,17 @@ def test_collective_streams_are_bounded_least_recently_used_first() -> None:
 def _fresh_scales(rank: int, world_size: int) -> dict[str, Any]:
     from cerar.comm.auto import collective as auto_collective
     from cerar.comm.auto.tournament import AutoConfig
+    from cerar.comm.collective import routes
 
     fresh: list[bool] = []  # per 16-bit CERAR call, whether it took a fresh scale
-    cerar_call = auto_collective.cerar_call
+    cerar_call = routes.cerar_call
 
-    def recording(*args: Any) -> Any:  # (tensor, op, ring, code, nonfinite, stats, packet, fresh)
+    def recording(*args: Any) -> Any:  # (tensor, op, ring, code, nonfinite, stats, packet, fresh, context)
         if args[6] is not None:
             fresh.append(bool(args[7]))
         return cerar_call(*args)
 
-    auto_collective.cerar_call = recording
+    routes.cerar_call = recording
     config = AutoConfig(trials=2, pins="0,-,cerar,fp16,-")  # 16-bit CERAR only, after the warm-up
     x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
     exact = x.clone()

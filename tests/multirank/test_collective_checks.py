@@ -101,7 +101,7 @@ def test_fresh_scale_is_checked_and_left_to_auto() -> None:
 
 def test_an_unknown_method_is_named() -> None:
     _no_group()
-    message = r"^Argument 'method' must be 'cerar' or one of the registered \['auto'\] .*, not 'nccl'\.$"
+    message = r"^Argument 'method' must be one of \[.*'auto'.*'ring-fp16'.*\], not 'nccl'\.$"
     with pytest.raises(ValueError, match=message):
         cerar.all_reduce(torch.ones(3), method="nccl")
 

@@ -37,6 +37,12 @@ CANDIDATE_NAMES = ("exact", "fp16", "bf16", "cerar", "cerar-fp16", "cerar-bf16")
 DEFAULT_CANDIDATES = ("exact", "fp16", "cerar", "cerar-fp16")
 #: The exact and 16-bit rings: the baselines CERAR must beat by the margin.
 BASELINE_NAMES = ("exact", "fp16", "bf16")
+#: The row of the route table (:mod:`cerar.comm.collective.routes`) each candidate runs, by
+#: context: the DDP hook's 16-bit rings are torch's compress hooks, the collective's cerar's rings.
+ROWS = {
+    "collective": {name: {"fp16": "ring-fp16", "bf16": "ring-bf16"}.get(name, name) for name in CANDIDATE_NAMES},
+    "ddp": {name: {"fp16": "torch-fp16", "bf16": "torch-bf16"}.get(name, name) for name in CANDIDATE_NAMES},
+}
 
 
 def ring_error(world_size: int, precision: str) -> float:
@@ -74,6 +80,24 @@ class Candidate:
     components: int | None = None
     code: Code | None = None
     predicted_error: float = 0.0
+    row: str = ""  # its row of the route table; default: the one ``name`` runs on ``transport``
+
+    def __post_init__(self) -> None:
+        if not self.row:
+            context = ROWS["ddp" if self.transport == "torch" else "collective"]
+            object.__setattr__(self, "row", context.get(self.name, self.name))
+
+    @property
+    def route(self) -> Any:
+        """Its :class:`cerar.comm.collective.routes.Route` (loads torch.distributed)."""
+        from cerar.comm.collective.routes import get_route
+
+        return get_route(self.row)
+
+    @property
+    def coded(self) -> bool:
+        """Whether it takes a code (CERAR)."""
+        return self.components is not None
 
     @property
     def algorithm(self) -> str:
@@ -165,13 +189,13 @@ def _candidate(name: str, n: int, limit: float | None, context: str, fast_codes:
     wire = "fp32" if name in ("exact", "cerar") else name.removeprefix("cerar-")
     if name in BASELINE_NAMES:
         transport = "torch" if name == "exact" or context == "ddp" else "cerar"
-        return Candidate(name, wire, transport, n, predicted_error=ring_error(n, wire))
+        return Candidate(name, wire, transport, n, predicted_error=ring_error(n, wire), row=ROWS[context][name])
     if n < 3:
         return None  # two ranks: every c sends one value per value and decodes exactly, the ring's
     code = _code(n, wire, limit, fast_codes)
     if code.components == n:
         return None
-    return Candidate(name, wire, "cerar", n, code.components, code, code.predicted_worst_error(wire))
+    return Candidate(name, wire, "cerar", n, code.components, code, code.predicted_worst_error(wire), name)
 
 
 def _code(n: int, wire: str, limit: float | None, fast_codes: bool) -> Code:

@@ -20,51 +20,28 @@ every rank, so a non-finite one raises :class:`cerar.NonFiniteError` on every ra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cerar.coding.code import MAX_ERROR, check_max_error
+from cerar.coding.code import MAX_ERROR
 from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.side import SideGroup
 from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
-from cerar.comm.collective.api import register_method
-from cerar.comm.collective.call import NonFiniteError, agree_call, cerar_call, ring_call
-from cerar.comm.collective.checks import check_bool, check_op, check_stats, check_tensor
-from cerar.comm.collective.policies import NONFINITE_POLICIES
-from cerar.comm.ring.exact import exact_all_reduce
-from cerar.comm.ring.groups import ring_of
+from cerar.comm.collective.call import NonFiniteError
+from cerar.comm.collective.routes import Request, Route, register_route, start
 from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.stats import CommStats
-from cerar.comm.ring.thread import COMM
+from cerar.comm.ring.work import Work, forward
 
-__all__ = ["AutoWork", "auto_all_reduce", "auto_status"]
-
-_PACKETS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class AutoWork:
-    """Handle of an async ``method="auto"`` call, shaped like ``torch.distributed.Work``."""
-
-    def __init__(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
-        self._future = future
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        return self._future
+__all__ = ["AUTO", "auto_all_reduce", "auto_status"]
 
 
 class _Stream:
@@ -104,27 +81,27 @@ def auto_all_reduce(
     nonfinite: str = "raise",
     stats: CommStats | None = None,
     config: AutoConfig | None = None,
-) -> AutoWork | None:
+) -> Work | None:
     """Sum (or average) ``tensor`` over ``group`` in place by the method auto chooses for its
     size (see the module doc); ``max_error`` is the error budget, ``config`` the settings.
-    Returns None, an :class:`AutoWork` with ``async_op``, and None on ranks outside ``group``."""
-    check_tensor(tensor)
-    reduce_op = check_op(op)
-    async_op = check_bool("async_op", async_op)
-    check_stats(stats)
-    budget = check_max_error(max_error)
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"Argument 'nonfinite' must be one of {NONFINITE_POLICIES}, not {nonfinite!r}.")
-    config = AutoConfig() if config is None else config
-    if not isinstance(config, AutoConfig):
+    Returns None, a :class:`Work` with ``async_op``, and None on ranks outside ``group``."""
+    if config is not None and not isinstance(config, AutoConfig):
         raise TypeError(f"Argument 'config' must be a cerar.ddp.AutoConfig or None, not {type(config).__name__}.")
+    route = AUTO if config is None else dataclasses.replace(AUTO, start=functools.partial(_start_auto, config=config))
+    return start(route, tensor, op, group, async_op, max_error=max_error, nonfinite=nonfinite, stats=stats)
+
+
+def _start_auto(route: Route, r: Request, config: AutoConfig | None = None) -> Work | None:
+    """One call by its stream's tournament (the route's start; the arguments checked)."""
+    config = AutoConfig() if config is None else config
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    group, tensor = r.group, r.tensor
     if dist.get_rank(group) < 0:
         return None
     shared = _group_auto(group)
-    key = (tensor.numel(), str(tensor.dtype), reduce_op, budget, nonfinite, config)
-    stream = _stream(shared, key, tensor.numel() * tensor.element_size(), group, budget, config)
+    key = (tensor.numel(), str(tensor.dtype), r.op, r.max_error, r.nonfinite, config)
+    stream = _stream(shared, key, tensor.numel() * tensor.element_size(), group, r.max_error, config)
     tournament = stream.tournament
     if tournament.agree_due():
         _drain(shared)  # every measurement of the round must be in
@@ -140,39 +117,36 @@ def auto_all_reduce(
     fresh = run.candidate != stream.last
     started = time.perf_counter()
     try:
-        call = _start(candidate, tensor, reduce_op, group, nonfinite, stats, fresh, context)
+        call = _start(candidate, r, fresh, context)
     except SettingsMismatchError:  # ranks that differ: raised on every rank
         raise
     except (ValueError, TypeError):  # before any data moved, the same on every rank
         tournament.failed(run.candidate)
         run, candidate = Run(0, -1, 0), tournament.candidates[0]
-        call = _start(candidate, tensor, reduce_op, group, nonfinite, stats, fresh, {**context, "candidate": "exact"})
+        call = _start(candidate, r, fresh, {**context, "candidate": "exact"})
     stream.last = run.candidate
 
-    def settle(wait: Callable[[], Any]) -> None:
-        wait()
+    def settle(value: Any) -> list[torch.Tensor]:
         done = time.perf_counter()
         with shared.lock:
             seconds, shared.transport_done = done - max(started, shared.transport_done), done
         tournament.measured(run, seconds)
-        if nonfinite == "raise" and candidate.baseline and not bool(torch.isfinite(tensor).all()):
+        if r.nonfinite == "raise" and candidate.baseline and not bool(torch.isfinite(tensor).all()):
             raise NonFiniteError(
                 f"cerar.all_reduce(method='auto'): the {candidate.label} sum of a tensor of {tensor.numel()} values "
                 "is not finite (some rank's input held NaN or Inf, or the sum overflowed)."
             )
-
-    if not async_op:
-        settle(call.wait)
-        return None
-
-    def finish(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
-        settle(fut.value)
         return [tensor]
 
-    chained = call.get_future().then(finish)
+    devices = [tensor.device] if tensor.device.type == "cuda" else None
+    chained = forward(call.future, settle, devices)
     with shared.lock:
         shared.outstanding = [f for f in shared.outstanding if not f.done()] + [chained]
-    return AutoWork(chained)
+    work = Work(chained)
+    if r.async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _stream(
@@ -231,29 +205,23 @@ def _drain(shared: _GroupAuto) -> None:
             pass
 
 
-def _start(
-    candidate: Candidate, tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None, nonfinite: str,
-    stats: CommStats | None, fresh: bool, context: dict[str, Any],
-) -> Any:  # fmt: skip
-    """Start ``candidate`` on ``tensor`` (in place): a handle with ``wait()`` and ``get_future()``.
-    The exact one agrees ``context`` on cerar's thread (in order with the calls in flight), then
-    runs torch's all-reduce on the caller's thread, in order with the caller's own collectives."""
-    ring = ring_of(group)
-    assert ring is not None  # a member: checked by the caller
-    if candidate.name == "exact":
-        sent = round(2 * (ring.size - 1) / ring.size * tensor.numel() * tensor.element_size())
-        COMM.submit(functools.partial(agree_call, ring, context, tensor.device, stats, sent), tensor, False)
-        future = exact_all_reduce(tensor, group, average=op == "avg", async_op=True)
-        assert future is not None
-        return AutoWork(future)
-    packet = _PACKETS[candidate.wire]
-    if candidate.components is None:
-        job = functools.partial(ring_call, tensor.detach(), op, ring, packet, stats, context)
-    else:
-        fresh = fresh and packet is not None
-        code = candidate.code
-        job = functools.partial(cerar_call, tensor.detach(), op, ring, code, nonfinite, stats, packet, fresh, context)
-    return COMM.submit(job, tensor, True)
+def _start(candidate: Candidate, r: Request, fresh: bool, context: dict[str, Any]) -> Work:
+    """Start ``candidate``'s row on the call (in place, asynchronously), its settings ``context``
+    agreed in the row's handshake (the exact row: a handshake alone on cerar's thread, in order
+    with the calls in flight, then torch's all-reduce on the caller's thread)."""
+    route = candidate.route
+    fresh = fresh and candidate.coded and route.wire is not None
+    options = {"code": candidate.code, "fresh_scale": fresh} if candidate.coded else {}
+    call = route.start(route, Request(
+        r.tensor, r.op, r.group, True, nonfinite=r.nonfinite, max_error=None, stats=r.stats, context=context,
+        **options,
+    ))  # fmt: skip
+    assert call is not None  # a member: checked by the caller
+    return call
 
 
-register_method("auto", auto_all_reduce)
+#: ``method="auto"``'s row: the fastest of the rows its candidates name, within ``max_error``.
+AUTO = register_route(Route(
+    "auto", "auto", None, _start_auto, identical=False,
+    description="the fastest row within max_error, decided from its own calls, the same on every rank",
+))  # fmt: skip

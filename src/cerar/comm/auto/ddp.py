@@ -17,27 +17,27 @@ exact and is out. ``state.last_step.buckets`` says where each bucket went and wh
 """
 
 # No ``from __future__ import annotations``: DDP inspects the hook's annotations.
+import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from cerar.coding.code import MAX_ERROR, check_max_error
 from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.side import SideGroup
 from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
-from cerar.comm.collective.api import all_reduce
 from cerar.comm.collective.call import NonFiniteError
+from cerar.comm.collective.routes import Request
 from cerar.comm.ddp.checkpoint import SETTINGS, Setting
 from cerar.comm.ddp.state import CerarState, logger
 from cerar.comm.ring.exact import exact_all_reduce
 from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.stats import CommStats
+from cerar.comm.ring.work import chain, for_torch
 
 __all__ = ["AUTO_STATE_DICT_FORMAT", "AutoState", "AutoStep", "BucketRecord", "auto_hook"]
 
@@ -215,44 +215,22 @@ class AutoState(CerarState):
         self.tournament.measured(self._run, math.inf if previous is None else now - previous)
 
 
-# -- the candidates' calls: ``(state, candidate, bucket, comm group, stats, fresh) -> future`` ----
-
-Start = Callable[[AutoState, Candidate, dist.GradBucket, Any, CommStats, bool], torch.futures.Future[Any]]
+# -- the candidates' calls -----------------------------------------------------------------
 
 
-def _exact(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, *_: Any) -> Any:
-    return exact_all_reduce(bucket.buffer(), state.process_group, average=True, async_op=True)
-
-
-def _compressed(hook: Callable[[Any, dist.GradBucket], Any]) -> Start:
-    def start(state: AutoState, candidate: Candidate, bucket: dist.GradBucket, *_: Any) -> Any:
-        return hook(state.process_group, bucket)  # torch's fp16/bf16_compress_hook
-
-    return start
-
-
-def _cerar(
+def _start(
     state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, call: CommStats, fresh: bool
-) -> Any:
-    packet = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[candidate.wire]
-    # 16-bit packets after another method ran the bucket take their scale from its data: the one
-    # its last CERAR call left may no longer fit (every rank switches at the same step).
-    work = all_reduce(
-        bucket.buffer(), "avg", group, True, code=candidate.code, nonfinite=state.nonfinite, packet_dtype=packet,
-        max_error=None, stats=call, fresh_scale=fresh and packet is not None,
-    )  # fmt: skip
-    return work.get_future()
-
-
-#: How each candidate runs on a bucket, by name.
-STARTS: dict[str, Start] = {
-    "exact": _exact,
-    "fp16": _compressed(default_hooks.fp16_compress_hook),
-    "bf16": _compressed(default_hooks.bf16_compress_hook),
-    "cerar": _cerar,
-    "cerar-fp16": _cerar,
-    "cerar-bf16": _cerar,
-}
+) -> torch.futures.Future[Any]:
+    """Start ``candidate``'s row of the route table on the bucket (averaged in place): torch's
+    rows on DDP's own group, cerar's on the hook's. 16-bit packets after another method ran the
+    bucket take their scale from its data: the one its last CERAR call left may no longer fit
+    (every rank switches at the same step)."""
+    route = candidate.route
+    target = state.process_group if route.transport == "torch" else group
+    options = {"code": candidate.code, "fresh_scale": fresh and route.wire is not None} if candidate.coded else {}
+    request = Request(bucket.buffer(), "avg", target, True, nonfinite=state.nonfinite, max_error=None, stats=call)
+    work = route.start(route, dataclasses.replace(request, **options))
+    return work.future
 
 
 def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -275,7 +253,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if buffer.layout != torch.strided:  # sparse: DDP's default, as cerar_hook does
         state.bucket_started(bucket.is_last())
         state.sparse_buckets += 1
-        future, k, reason = _exact(state, candidates[0], bucket, group, CommStats(), False), 0, "sparse"
+        future, k, reason = _start(state, candidates[0], bucket, group, CommStats(), False), 0, "sparse"
         return _chain(state, bucket, future, candidates[0], reason, None)
     if not state._in_pass:
         state.begin_step()
@@ -287,12 +265,12 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     bucket_stats, call = state.note_bucket(index, buffer.numel()), CommStats()
     try:
         try:
-            future = STARTS[candidates[k].name](state, candidates[k], bucket, group, call, state._last.get(index) != k)
+            future = _start(state, candidates[k], bucket, group, call, state._last.get(index) != k)
         except (ValueError, TypeError) as exc:  # before any data moved, the same on every rank
             logger.warning("cerar auto: %s failed to start (%s); this bucket goes exact.", candidates[k].label, exc)
             tournament.failed(k)
             k, reason = 0, "fallback"
-            future = _exact(state, candidates[0], bucket, group, call, False)
+            future = _start(state, candidates[0], bucket, group, call, False)
     except BaseException:
         state.bucket_done(None, None)
         raise
@@ -314,7 +292,7 @@ def _chain(
         call, bucket_stats = stats if stats is not None else (None, None)
         try:
             try:
-                value = fut.value()
+                value = fut.wait()
                 result = value[0] if isinstance(value, list) else value
             except SettingsMismatchError:  # raised on every rank before any data moved
                 assert state.side is not None and state.tournament is not None and state.candidates is not None
@@ -337,4 +315,5 @@ def _chain(
             if state.bucket_done(call, bucket_stats):
                 state.end_step(time.perf_counter())
 
-    return future.then(finish)
+    # DDP's C++ reads the hook's future: its error as for_torch makes it (cerar.comm.ring.work).
+    return for_torch(chain(future, finish, [bucket.buffer().device] if bucket.buffer().is_cuda else None))

@@ -2,7 +2,7 @@
 
 Both are in place, take any shape and contiguity (but no view whose elements share memory, as
 ``expand()`` makes) and tensors that require grad (written as ``dist.all_reduce`` writes them,
-unseen by autograd), and return None, or with ``async_op=True`` a :class:`CerarWork` handle.
+unseen by autograd), and return None, or with ``async_op=True`` a :class:`~cerar.comm.ring.work.Work`.
 All of a process's cerar calls run in order on one communication thread
 (:mod:`cerar.comm.ring.thread`), so async and sync calls interleave exactly as issued on
 every rank; :func:`shutdown` stops it (also at interpreter exit). They come from one Python
@@ -30,58 +30,46 @@ timeout (``init_process_group(timeout=...)``) on every surviving rank.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cerar._checks import check_float
-from cerar.coding.code import MAX_ERROR, Code, check_max_error
-from cerar.coding.precision import precision_name
-from cerar.comm.collective.call import NonFiniteError, cerar_call, ring_call
-from cerar.comm.collective.checks import (
-    check_bool,
-    check_coded_call,
-    check_op,
-    check_packet_dtype,
-    check_stats,
-    check_tensor,
-)
-from cerar.comm.collective.codes import check_usable, default_code, resolve_code, working_dtype
+from cerar.coding.code import MAX_ERROR, Code
+from cerar.comm.collective.call import NonFiniteError
+from cerar.comm.collective.checks import check_packet_dtype
+from cerar.comm.collective.codes import default_code, resolve_code
 from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.collective.routes import ROUTES, Route, get_route, route_for, start
 from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.groups import group_state, ring_of
+from cerar.comm.ring.groups import group_state
 from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.thread import COMM, DEFAULT_SHUTDOWN_TIMEOUT_S, CerarWork, ShutdownError
+from cerar.comm.ring.work import WaitTimeoutError, Work
 
 __all__ = [
     "NONFINITE_POLICIES",
+    "ROUTES",
     "CerarWork",
     "NonFiniteError",
+    "Route",
     "SettingsMismatchError",
     "ShutdownError",
+    "WaitTimeoutError",
+    "Work",
     "all_reduce",
     "default_code",
+    "get_route",
     "get_stats",
+    "hierarchical_all_reduce",
+    "hierarchical_ring_all_reduce",
     "reset_stats",
     "resolve_code",
     "ring_all_reduce",
     "shutdown",
 ]
-
-
-#: The methods :func:`all_reduce` routes to besides ``"cerar"``, each registered by the layer that
-#: defines it when it loads (:mod:`cerar.comm.auto.collective` registers ``"auto"``; ``import
-#: cerar`` loads it): ``route(tensor, op, group, async_op, *, max_error, nonfinite, stats)``.
-METHODS: dict[str, Callable[..., Any]] = {}
-
-
-def register_method(name: str, route: Callable[..., Any]) -> None:
-    """Route ``all_reduce(..., method=name)`` to ``route`` (see :data:`METHODS`)."""
-    METHODS[name] = route
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +102,7 @@ def all_reduce(
         op: ``"sum"`` or ``"avg"`` (or ``dist.ReduceOp.SUM`` / ``AVG``).
         group: process group (default: the default group). Ranks are renumbered within it;
             ranks outside it return None, as in torch.
-        async_op: return a :class:`CerarWork` instead of blocking.
+        async_op: return a :class:`~cerar.comm.ring.work.Work` instead of blocking.
         code: the :class:`cerar.Code` to use; its ``world_size`` must equal the group's size.
             Default: :func:`default_code` for the group's size.
         nonfinite: ``"raise"`` (raise :class:`NonFiniteError` on every rank, naming the ranks
@@ -132,11 +120,13 @@ def all_reduce(
             code tuned for float32 would return noise with bfloat16 packets, say); ``None``
             uses it anyway.
         stats: a :class:`cerar.comm.ring.stats.CommStats` that this call's figures are added to.
-        method: ``"cerar"`` (this call, returning None or a :class:`CerarWork`), or ``"auto"``:
+        method: ``"cerar"``, another row of :data:`cerar.comm.collective.routes.ROUTES`
+            (``"ring-fp16"``, ``"hier-cerar"``...; ``code``, ``packet_dtype`` and
+            ``fresh_scale`` apply to CERAR's rows only), or ``"auto"``:
             the calls of this size go by the fastest method whose predicted worst-rank error is
             within ``max_error`` (the exact all-reduce, the float16 ring, CERAR in float32 or
             16 bits), decided from their measured times, the same on every rank
-            (:mod:`cerar.comm.auto.collective`, registered in :data:`METHODS`; ``code``,
+            (:mod:`cerar.comm.auto.collective`, a row it registers; ``code``,
             ``packet_dtype`` and ``fresh_scale`` left at their defaults).
         fresh_scale: take the packet scale from this call's data (every rank's largest
             magnitude, carried by the handshake before the first round, as at the first call of
@@ -151,37 +141,24 @@ def all_reduce(
     rounds, and a call whose data left the range of the scale it started with (the previous
     call's of its size) is redone at one that fits, the same on every rank (``stats.rescales``).
     """
-    if method != "cerar":
-        if method not in METHODS:
-            raise ValueError(
-                f"Argument 'method' must be 'cerar' or one of the registered {sorted(METHODS)} ('auto' registers "
-                f"when cerar.collective, the facade, loads), not {method!r}."
-            )
-        route = METHODS[method]
-        if code is not None or packet_dtype is not None or fresh_scale is not False:
-            raise ValueError(
-                f"Arguments 'code', 'packet_dtype' and 'fresh_scale' must be left at their defaults with "
-                f"method={method!r} (it chooses them), not {code!r}, {packet_dtype!r}, {fresh_scale!r}."
-            )
-        return route(tensor, op, group, async_op, max_error=max_error, nonfinite=nonfinite, stats=stats)
-    reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(
-        tensor, op, async_op, nonfinite, packet_dtype, code, stats
-    )
-    fresh_scale = check_bool("fresh_scale", fresh_scale)
-    ring = ring_of(group)
-    if ring is None:
-        return None
-    if code is not None and code.world_size != ring.size:
-        raise ValueError(f"Argument 'code' is for world_size={code.world_size} but the group has {ring.size} ranks.")
-    if code is not None:
-        precision = precision_name(packet_dtype or working_dtype(tensor.dtype))
-        check_usable(code, precision, check_max_error(max_error))
-    # detach(): the same storage, so the result lands in ``tensor``, without autograd, which
-    # refuses in-place writes to a leaf that requires grad (dist.all_reduce also bypasses it).
-    job = functools.partial(
-        cerar_call, tensor.detach(), reduce_op, ring, code, nonfinite, stats, packet_dtype, fresh_scale
-    )
-    return COMM.submit(job, tensor, async_op)
+    if method == "cerar":
+        return start(
+            "cerar", tensor, op, group, async_op, code=code, nonfinite=nonfinite, packet_dtype=packet_dtype,
+            max_error=max_error, stats=stats, fresh_scale=fresh_scale,
+        )  # fmt: skip
+    route = get_route(method)
+    if route.method == "auto" and (code is not None or packet_dtype is not None or fresh_scale is not False):
+        raise ValueError(
+            f"Arguments 'code', 'packet_dtype' and 'fresh_scale' must be left at their defaults with "
+            f"method={method!r} (it chooses them), not {code!r}, {packet_dtype!r}, {fresh_scale!r}."
+        )
+    options = {"code": code, "packet_dtype": packet_dtype, "fresh_scale": fresh_scale} if route.coded else {}
+    if not route.coded and (code is not None or packet_dtype is not None or fresh_scale is not False):
+        raise ValueError(
+            f"Arguments 'code', 'packet_dtype' and 'fresh_scale' apply to CERAR's rows, not to method={method!r} "
+            f"(not {code!r}, {packet_dtype!r}, {fresh_scale!r})."
+        )
+    return start(route, tensor, op, group, async_op, nonfinite=nonfinite, max_error=max_error, stats=stats, **options)
 
 
 def ring_all_reduce(
@@ -192,7 +169,7 @@ def ring_all_reduce(
     *,
     wire_dtype: torch.dtype | None = None,
     stats: CommStats | None = None,
-) -> CerarWork | None:
+) -> Work | None:
     """Exact ring all-reduce (reduce-scatter + all-gather) on cerar's transport, in place.
 
     The baseline that isolates CERAR's coding gain: same transport, ``2(N-1)/N`` values sent
@@ -202,16 +179,61 @@ def ring_all_reduce(
     divide by a power of two so that ``N * M`` maps to about ``2**14`` (which also keeps small
     gradients out of float16's subnormal range), then multiply back; the scaling is exact.
     """
-    check_tensor(tensor)
-    reduce_op = check_op(op)
-    async_op = check_bool("async_op", async_op)
     wire_dtype = check_packet_dtype(wire_dtype, "wire_dtype")
-    check_stats(stats)
-    ring = ring_of(group)
-    if ring is None:
-        return None
-    job = functools.partial(ring_call, tensor.detach(), reduce_op, ring, wire_dtype, stats)  # as above
-    return COMM.submit(job, tensor, async_op)
+    return start(route_for("ring", wire_dtype), tensor, op, group, async_op, stats=stats, packet_dtype=_own(wire_dtype))
+
+
+def hierarchical_all_reduce(
+    tensor: torch.Tensor,
+    op: Any = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    ranks_per_node: int | None = None,
+    code: Code | None = None,
+    nonfinite: str = "raise",
+    packet_dtype: torch.dtype | None = None,
+    stats: CommStats | None = None,
+) -> Work | None:
+    """Sum (or average) ``tensor`` over ``group``, exactly inside each node and with CERAR
+    between nodes, in place (:mod:`cerar.comm.collective.hierarchical`).
+
+    Args:
+        tensor, op, group, async_op, packet_dtype, stats: as :func:`all_reduce` (the packets are
+            those between nodes).
+        ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
+            ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
+        code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
+            Default: :func:`cerar.comm.collective.codes.resolve_code` for ``M`` and the dtypes.
+        nonfinite: ``"raise"``, ``"exact"`` (the shards holding NaN/Inf cross the nodes by the
+            exact ring) or ``"ignore"``.
+    """
+    return start(
+        "hier-cerar", tensor, op, group, async_op, ranks_per_node=ranks_per_node, code=code, nonfinite=nonfinite,
+        packet_dtype=packet_dtype, stats=stats, max_error=None,
+    )  # fmt: skip
+
+
+def hierarchical_ring_all_reduce(
+    tensor: torch.Tensor,
+    op: Any = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    ranks_per_node: int | None = None,
+    stats: CommStats | None = None,
+) -> Work | None:
+    """:func:`hierarchical_all_reduce` with the exact ring between nodes (``hier-ring``), the
+    baseline that isolates CERAR's gain on the links between nodes. Every rank ends with the
+    same values, the exact sum up to float rounding (the order of the additions differs from
+    the flat ring's). Non-finite values stay where they are, as with :func:`ring_all_reduce`.
+    """
+    return start("hier-ring", tensor, op, group, async_op, ranks_per_node=ranks_per_node, stats=stats)
+
+
+def _own(wire: torch.dtype | None) -> torch.dtype | None:
+    """A wire of the data's own width (float32, float64) as the ring row's ``packet_dtype``."""
+    return wire if wire in (torch.float32, torch.float64) else None
 
 
 def get_stats(group: dist.ProcessGroup | None = None) -> CommStats:

@@ -61,26 +61,18 @@ import torch.distributed as dist
 from cerar._checks import check_int
 from cerar.coding.code import Code
 from cerar.comm.collective.call import NonFiniteError, Working, cerar_call, ring_call
-from cerar.comm.collective.checks import check_bool, check_coded_call, check_op, check_stats, check_tensor
 from cerar.comm.collective.codes import resolve_code
 from cerar.comm.kernels.workspace import WORKSPACE
 from cerar.comm.ring.groups import count_call, group_state, ring_of
-from cerar.comm.ring.handshake import SettingsMismatchError, handshake, settings_hash
+from cerar.comm.ring.handshake import handshake, settings_hash
 from cerar.comm.ring.links import Ring, RingError, group_timeout, post_pair, wait_for
 from cerar.comm.ring.stats import CommStats
-from cerar.comm.ring.thread import COMM, CerarWork
+from cerar.comm.ring.thread import COMM
 
-__all__ = [
-    "NodeLayout",
-    "SettingsMismatchError",
-    "hierarchical_all_reduce",
-    "hierarchical_ring_all_reduce",
-    "node_layout",
-]
+__all__ = ["NodeLayout", "hierarchical_call", "node_layout", "prepare_nodes"]
 
 #: Point-to-point tag of the failure path's non-finite flags (the collective's use 0x0CE0..0x0CE3).
 NONFINITE_TAG = 0x0CE8
-METHODS = ("cerar", "ring")
 
 
 @dataclass(frozen=True)
@@ -160,75 +152,6 @@ def _ranks_per_node(group: dist.ProcessGroup | None, rank: int, size: int, ranks
 
 
 # ---------------------------------------------------------------------------------------------
-# Public API
-
-
-def hierarchical_all_reduce(
-    tensor: torch.Tensor,
-    op: Any = "sum",
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-    *,
-    ranks_per_node: int | None = None,
-    code: Code | None = None,
-    nonfinite: str = "raise",
-    packet_dtype: torch.dtype | None = None,
-    stats: CommStats | None = None,
-) -> CerarWork | None:
-    """Sum (or average) ``tensor`` over ``group``, exactly inside each node and with CERAR
-    between nodes, in place; see the module docstring.
-
-    Args:
-        tensor, op, group, async_op, packet_dtype, stats: as :func:`cerar.all_reduce` (the
-            packets are those between nodes).
-        ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
-            ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
-        code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
-            Default: :func:`cerar.comm.collective.call.resolve_code` for ``M`` and the dtypes.
-        nonfinite: ``"raise"``, ``"exact"`` or ``"ignore"`` (see the module docstring).
-    """
-    reduce_op, async_op, nonfinite, packet_dtype = check_coded_call(
-        tensor, op, async_op, nonfinite, packet_dtype, code, stats
-    )
-    nodes = _prepare(group, ranks_per_node, tensor.device)
-    if nodes is None:
-        return None
-    if code is not None and code.world_size != nodes.layout.nodes:
-        raise ValueError(
-            f"Argument 'code' must be for the group's {nodes.layout.nodes} nodes, not world_size={code.world_size}."
-        )
-    job = functools.partial(
-        _hierarchical_call, tensor.detach(), reduce_op, nodes, "cerar", code, nonfinite, stats, packet_dtype
-    )
-    return COMM.submit(job, tensor, async_op)
-
-
-def hierarchical_ring_all_reduce(
-    tensor: torch.Tensor,
-    op: Any = "sum",
-    group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
-    *,
-    ranks_per_node: int | None = None,
-    stats: CommStats | None = None,
-) -> CerarWork | None:
-    """:func:`hierarchical_all_reduce` with the exact ring between nodes (``hier-ring``), the
-    baseline that isolates CERAR's gain on the links between nodes. Every rank ends with the
-    same values, the exact sum up to float rounding (the order of the additions differs from
-    the flat ring's). Non-finite values stay where they are, as with :func:`cerar.ring_all_reduce`.
-    """
-    check_tensor(tensor)
-    reduce_op = check_op(op)
-    async_op = check_bool("async_op", async_op)
-    check_stats(stats)
-    nodes = _prepare(group, ranks_per_node, tensor.device)
-    if nodes is None:
-        return None
-    job = functools.partial(_hierarchical_call, tensor.detach(), reduce_op, nodes, "ring", None, "ignore", stats)
-    return COMM.submit(job, tensor, async_op)
-
-
-# ---------------------------------------------------------------------------------------------
 # The node groups and rings of a (group, ranks_per_node), created once
 
 
@@ -244,7 +167,7 @@ class _Nodes:
 _NODES_LOCK = threading.Lock()  # the node groups live in the group's GroupState
 
 
-def _prepare(group: dist.ProcessGroup | None, ranks_per_node: int | None, device: torch.device) -> _Nodes | None:
+def prepare_nodes(group: dist.ProcessGroup | None, ranks_per_node: int | None, device: torch.device) -> _Nodes | None:
     """This rank's :class:`_Nodes` for ``group``, set up at the first call of the pair.
 
     1. Resolve the layout (``ranks_per_node`` or torchrun's variables); non-members get None.
@@ -311,7 +234,7 @@ def _cross_ring(group: dist.ProcessGroup | None, layout: NodeLayout) -> Ring:
 # One call (on the communication thread)
 
 
-def _hierarchical_call(
+def hierarchical_call(
     tensor: torch.Tensor,
     op: str,
     nodes: _Nodes,

@@ -38,15 +38,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.comm.collective.api import all_reduce, ring_all_reduce
-from cerar.comm.collective.hierarchical import hierarchical_all_reduce, hierarchical_ring_all_reduce
 from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.collective.routes import Route, get_route, start
 from cerar.comm.ddp.checkpoint import STATE_DICT_FORMAT
 from cerar.comm.ddp.hierarchical import HierarchicalState
 from cerar.comm.ddp.replicas import SKETCH_SIZE, Replicas, replica_divergence, resync
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES, CerarState
 from cerar.comm.ring.exact import exact_all_reduce
 from cerar.comm.ring.stats import CommStats
+from cerar.comm.ring.work import chain, for_torch
 
 __all__ = [
     "DEFAULT_MIN_BUCKET_BYTES",
@@ -62,6 +62,7 @@ __all__ = [
     "replica_divergence",
     "resync",
     "ring_hook",
+    "route_hook",
 ]
 
 
@@ -75,12 +76,7 @@ def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futu
     ``state.start_iter`` passes are averaged by ``torch.distributed.all_reduce``, as DDP's
     default does.
     """
-    return _launch(
-        state,
-        bucket,
-        lambda buffer, group, call: all_reduce(buffer, "avg", group, True, stats=call, **state.coded_settings()),
-        coded=True,
-    )
+    return _launch(state, bucket, get_route("cerar"))
 
 
 def ring_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -91,91 +87,87 @@ def ring_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Futur
     default, leaves non-finite values where they are). The bucket policy (``min_bucket_bytes``,
     ``start_iter``) applies as in :func:`cerar_hook`.
     """
-    return _launch(
-        state,
-        bucket,
-        lambda buffer, group, call: ring_all_reduce(buffer, "avg", group, True, stats=call),
-        coded=False,
-    )
+    return _launch(state, bucket, get_route("ring"))
 
-
-def _launch(state: CerarState, bucket: dist.GradBucket, start: Any, coded: bool) -> torch.futures.Future[torch.Tensor]:
-    """Submit one bucket (a sparse one, and one the bucket policy picks, to torch's all-reduce)
-    and chain the bookkeeping after it."""
-    if not isinstance(state, CerarState):
-        raise TypeError(
-            f"Argument 'state' of the cerar DDP hook must be a cerar.ddp.CerarState, not {type(state).__name__}: "
-            "register it with ddp_model.register_comm_hook(CerarState(...), hook)."
-        )
-    group = state.resolve_group(coded, bucket.buffer().dtype)
-    buffer = bucket.buffer()
-    call, bucket_stats = CommStats(), None
-    sparse = buffer.layout != torch.strided
-    exact = not sparse and state.exact_path(buffer)  # before the last bucket advances iteration
-    state.bucket_started(bucket.is_last())
-    try:
-        if sparse:
-            state.sparse_buckets += 1
-            future = exact_all_reduce(buffer, state.process_group, average=True, async_op=True)
-        elif exact:
-            state.exact_buckets += 1
-            state.exact_bytes += buffer.numel() * buffer.element_size()
-            future = exact_all_reduce(buffer, state.process_group, average=True, async_op=True)
-        else:
-            bucket_stats = state.note_bucket(bucket.index(), buffer.numel())
-            future = start(buffer, group, call).get_future()
-    except BaseException:
-        state.bucket_done(None, None)
-        raise
-
-    def record_stats(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        # Runs once the bucket is averaged; value() re-raises a failure (e.g. NonFiniteError
-        # under nonfinite="raise"), which DDP then raises in backward.
-        try:
-            return fut.value()[0]
-        finally:
-            state.bucket_done(call, bucket_stats)
-
-    return future.then(record_stats)
-
-
-# ---------------------------------------------------------------------------------------------
-# Hierarchical hooks (:mod:`cerar.comm.collective.hierarchical`): exact inside each node, CERAR or the
-# exact ring between nodes. Their state is a HierarchicalState (ranks_per_node, a code for M nodes).
 
 def hier_cerar_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` with :func:`cerar.hierarchical_all_reduce`, asynchronously: exact inside
     each node, CERAR (``state.code``, for the group's ``M`` nodes) between nodes. The bucket
     policy and ``nonfinite`` work as in :func:`cerar_hook`; ``state`` must be a
     :class:`HierarchicalState`."""
-    _check_hierarchical(state)
-    return _launch(
-        state,
-        bucket,
-        lambda buffer, group, call: hierarchical_all_reduce(
-            buffer, "avg", group, True, ranks_per_node=state.ranks_per_node, stats=call, **state.coded_settings()
-        ),
-        coded=True,
-    )
+    return _launch(state, bucket, get_route("hier-cerar"))
 
 
 def hier_ring_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` with :func:`cerar.hierarchical_ring_all_reduce` (the exact ring between
     nodes): the comparison baseline of :func:`hier_cerar_hook`."""
-    _check_hierarchical(state)
-    return _launch(
-        state,
-        bucket,
-        lambda buffer, group, call: hierarchical_ring_all_reduce(
-            buffer, "avg", group, True, ranks_per_node=state.ranks_per_node, stats=call
-        ),
-        coded=False,
-    )
+    return _launch(state, bucket, get_route("hier-ring"))
 
 
-def _check_hierarchical(state: Any) -> None:
-    if not isinstance(state, HierarchicalState):
+def route_hook(name: str) -> Any:
+    """The hook that averages every bucket by the route table's row ``name`` (``"ring-fp16"``...):
+    :func:`cerar_hook` and the others above for the families' own rows."""
+    own = {"cerar": cerar_hook, "ring": ring_hook, "hier-cerar": hier_cerar_hook, "hier-ring": hier_ring_hook}
+    if name in own:
+        return own[name]
+    route = get_route(name)
+
+    def hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return _launch(state, bucket, route)
+
+    hook.__name__ = hook.__qualname__ = f"{name.replace('-', '_')}_hook"
+    hook.__doc__ = f"Average each bucket by the route table's row {name!r}: {route.description}."
+    return hook
+
+
+def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.futures.Future[torch.Tensor]:
+    """Submit one bucket by ``route`` (a sparse one, and one the bucket policy picks, to torch's
+    all-reduce) and chain the bookkeeping after it."""
+    if not isinstance(state, CerarState):
+        raise TypeError(
+            f"Argument 'state' of the cerar DDP hook must be a cerar.ddp.CerarState, not {type(state).__name__}: "
+            "register it with ddp_model.register_comm_hook(CerarState(...), hook)."
+        )
+    if route.hierarchical and not isinstance(state, HierarchicalState):
         raise TypeError(
             f"Argument 'state' of the hierarchical DDP hooks must be a cerar.ddp.HierarchicalState, not "
             f"{type(state).__name__}: its code is for the number of nodes, and it knows ranks_per_node."
         )
+    group = state.resolve_group(route.coded, bucket.buffer().dtype)
+    buffer = bucket.buffer()
+    call, bucket_stats = CommStats(), None
+    sparse = buffer.layout != torch.strided
+    exact = not sparse and state.exact_path(buffer)  # before the last bucket advances iteration
+    state.bucket_started(bucket.is_last())
+    try:
+        if sparse or exact:
+            if sparse:
+                state.sparse_buckets += 1
+            else:
+                state.exact_buckets += 1
+                state.exact_bytes += buffer.numel() * buffer.element_size()
+            future = exact_all_reduce(buffer, state.process_group, average=True, async_op=True)
+        else:
+            bucket_stats = state.note_bucket(bucket.index(), buffer.numel())
+            options: dict[str, Any] = state.coded_settings() if route.coded else {}
+            if route.coded and route.wire is not None:
+                options.pop("packet_dtype")  # the row's own wire
+            if route.hierarchical:
+                options["ranks_per_node"] = state.ranks_per_node  # type: ignore[attr-defined]
+            work = start(route, buffer, "avg", group, True, stats=call, **options)
+            assert work is not None
+            future = work.future
+    except BaseException:
+        state.bucket_done(None, None)
+        raise
+
+    def record_stats(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        # Runs once the bucket is averaged; wait() re-raises a failure with its own type (e.g.
+        # NonFiniteError under nonfinite="raise"), which DDP then raises in backward.
+        try:
+            return done.wait()[0]
+        finally:
+            state.bucket_done(call, bucket_stats)
+
+    # DDP's C++ reads the hook's future: its error as for_torch makes it (cerar.comm.ring.work).
+    return for_torch(chain(future, record_stats, [buffer.device] if buffer.is_cuda else None))

@@ -36,18 +36,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import cerar.comm.auto.collective  # noqa: F401 (registers the auto row)
 from cerar._checks import check_choice, check_int
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
-from cerar.comm.auto.collective import auto_all_reduce
-from cerar.comm.collective.api import all_reduce, ring_all_reduce
 from cerar.comm.collective.checks import check_packet_dtype
-from cerar.comm.collective.hierarchical import hierarchical_all_reduce, hierarchical_ring_all_reduce
 from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.collective.routes import Route, route_for, start
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
+from cerar.comm.ring.work import Work, chain
 
 __all__ = ["METHODS", "CerarProcessGroup", "GroupSettings", "RouteStats", "exact"]
 
-#: The methods a group runs its coded all-reduces with (the DDP hooks' names).
+#: The methods a group runs its coded all-reduces with: families of the route table
+#: (:mod:`cerar.comm.collective.routes`), the row chosen with ``packet_dtype``.
 METHODS = ("cerar", "ring", "auto", "hier-cerar", "hier-ring")
 _RED = dist.ReduceOp.RedOpType
 _OP_NAMES = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.MAX: "max", _RED.MIN: "min", _RED.PRODUCT: "product"}
@@ -81,6 +82,15 @@ class GroupSettings:
             raise ValueError(f"Argument 'ranks_per_node' does not apply to method 'auto', not {self.ranks_per_node}.")
         if self.method.startswith("hier-") and self.ranks_per_node is None:
             raise ValueError(f"Argument 'ranks_per_node' must be given for method {self.method!r}, not None.")
+
+    @property
+    def route(self) -> Route:
+        """The route table's row the coded all-reduces take (``cerar`` with ``ranks_per_node``:
+        ``hier-cerar``; ``ring`` with a float16 ``packet_dtype``: ``ring-fp16``...)."""
+        method = self.method
+        if self.ranks_per_node is not None and not method.startswith("hier-"):
+            method = f"hier-{method}"
+        return route_for(method, self.packet_dtype)
 
 
 @dataclass
@@ -127,26 +137,6 @@ def exact(group: Any = None) -> Iterator[None]:
         yield
     finally:
         held.remove(group)
-
-
-class _FutureWork(dist.Work):
-    """An all-reduce's work as a future: ``wait()`` re-raises its error; ``get_future()`` is what
-    DDP reads. Its future completes after the call's statistics are counted, so that a caller
-    reading them after ``wait()`` sees this call."""
-
-    def __init__(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: Any = None) -> bool:
-        self._future.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
 
 
 class CerarProcessGroup(dist.ProcessGroup):
@@ -205,44 +195,32 @@ class CerarProcessGroup(dist.ProcessGroup):
         name, nbytes, started = _op_name(op), sum(t.numel() * t.element_size() for t in tensors), time.perf_counter()
         coded = self.codes(tensors, op)
         route = "cerar" if coded else "exact"
-        future = self._coded(tensors, name) if coded else handed().get_future()
+        future = self._coded(tensors, name).future if coded else handed().get_future()
 
         def timed(done: torch.futures.Future[Any]) -> Any:
-            self.stats.add(route, name, nbytes, time.perf_counter() - started)
-            return done.value()  # re-raises the call's error
+            try:
+                return done.wait()  # re-raises the call's error with its own type
+            finally:
+                self.stats.add(route, name, nbytes, time.perf_counter() - started)
 
-        return _FutureWork(future.then(timed))
+        devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+        return Work(chain(future, timed, devices))
 
-    def _coded(self, tensors: list[torch.Tensor], op: str) -> torch.futures.Future[list[torch.Tensor]]:
-        """Each tensor by the group's method, asynchronously, in place."""
-        futures = [self._start(t, op).get_future() for t in tensors]
-        if len(futures) == 1:
-            return futures[0].then(lambda f: (f.value(), tensors)[1])
-
-        def every(done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> list[torch.Tensor]:
-            for future in done.value():
-                future.value()  # re-raises a call's error
-            return tensors
-
-        return torch.futures.collect_all(futures).then(every)
-
-    def _start(self, tensor: torch.Tensor, op: str) -> Any:
-        s, transport = self.settings, self.transport
-        if s.method == "auto":
-            return auto_all_reduce(tensor, op, transport, True, max_error=s.max_error, nonfinite=s.nonfinite)
-        if s.ranks_per_node is not None:
-            if s.method in ("cerar", "hier-cerar"):
-                return hierarchical_all_reduce(
-                    tensor, op, transport, True, ranks_per_node=s.ranks_per_node, code=s.code, nonfinite=s.nonfinite,
-                    packet_dtype=s.packet_dtype,
-                )  # fmt: skip
-            return hierarchical_ring_all_reduce(tensor, op, transport, True, ranks_per_node=s.ranks_per_node)
-        if s.method == "ring":
-            return ring_all_reduce(tensor, op, transport, True, wire_dtype=s.packet_dtype)
-        return all_reduce(
-            tensor, op, transport, True, code=s.code, nonfinite=s.nonfinite, packet_dtype=s.packet_dtype,
-            max_error=s.max_error,
-        )  # fmt: skip
+    def _coded(self, tensors: list[torch.Tensor], op: str) -> Work:
+        """Each tensor by the group's row of the route table, asynchronously, in place."""
+        s = self.settings
+        route = s.route
+        options: dict[str, Any] = {"nonfinite": s.nonfinite, "max_error": s.max_error}
+        if route.coded:
+            options.update(code=s.code, packet_dtype=None if route.wire else s.packet_dtype)
+        if route.hierarchical:
+            options["ranks_per_node"] = s.ranks_per_node
+        if route.method in ("ring", "hier-ring"):
+            options = {"ranks_per_node": s.ranks_per_node} if route.hierarchical else {}
+            if route.wire is None:
+                options["packet_dtype"] = s.packet_dtype if s.packet_dtype in (torch.float32, torch.float64) else None
+        works = [start(route, t, op, self.transport, True, **options) for t in tensors]
+        return Work.gather([w for w in works if w is not None], tensors)
 
 
 def _op_name(op: Any) -> str:

@@ -1,4 +1,4 @@
-"""The communication thread that runs every cerar call of a process, and the async handle.
+"""The communication thread that runs every cerar call of a process.
 
 One thread per process runs the calls in submission order, so async and sync calls interleave
 exactly as issued on every rank (each rank's point-to-point messages must pair up with its
@@ -11,12 +11,10 @@ exception", SIGABRT) after all its Python work is done.
 Accelerators (by PyTorch's stream rules, as ``ProcessGroupNCCL`` keeps them): at submission an
 event is recorded on the caller's current stream of the tensor's device; the communication
 thread sets that device and runs the call on a dedicated stream (one per device) that first
-waits for that event, so it sees everything the caller queued before; an event recorded on the
-dedicated stream after the call is what the caller's side waits for: a blocking call and
-:meth:`CerarWork.wait` make the caller's current stream wait for it (no host synchronisation),
-and :meth:`CerarWork.get_future` returns a CUDA-aware ``torch.futures.Future(devices=[...])``,
-completed after that stream waited too, so a consumer's ``wait()``/``then()`` is ordered after
-the result (the DDP hooks return such futures).
+waits for that event, so it sees everything the caller queued before; the call's future is a
+CUDA-aware ``torch.futures.Future(devices=[...])`` completed on that stream after the call, so a
+blocking call, :meth:`cerar.comm.ring.work.Work.wait` and a consumer's ``wait()`` order the
+caller's current stream after the result (no host synchronisation).
 
 Threads. The ranks' calls pair up by their order, so every rank must issue them in the same
 order, and calls made from several Python threads at once have no order across ranks (rank
@@ -39,11 +37,13 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["COMM", "CerarWork", "CommThread", "ShutdownError"]
+from cerar.comm.ring.work import Work
+
+__all__ = ["COMM", "CerarWork", "CommThread", "ShutdownError", "Work"]
 
 #: How long :meth:`CommThread.shutdown` waits for the calls already submitted, by default. The
 #: calls of a healthy ring finish in well under this; a call waiting on a dead peer fails by
@@ -56,17 +56,17 @@ class ShutdownError(RuntimeError):
 
 
 class _DeviceSync:
-    """The events that order one call on an accelerator with its caller's streams (see the
-    module docstring); CPU calls have none."""
+    """The event that orders one call on an accelerator after its caller's stream (see the
+    module docstring); CPU calls have none. The call's future, completed on cerar's stream,
+    orders its readers after the call."""
 
-    __slots__ = ("device", "done", "ready", "tensor")
+    __slots__ = ("device", "ready", "tensors")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.device = tensor.device
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.device = tensors[0].device
         self.ready = torch.cuda.Event()
         self.ready.record(torch.cuda.current_stream(self.device))
-        self.done: torch.cuda.Event | None = None  # recorded on the dedicated stream after the call
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -74,19 +74,11 @@ class _DeviceSync:
         stream = _dedicated_stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(self.ready)
-            # The caller's tensor is used on cerar's stream: the caching allocator must not hand
-            # its memory out again before that stream is done with it (as ProcessGroupNCCL does).
-            self.tensor.record_stream(stream)
-            try:
-                yield
-            finally:
-                self.done = torch.cuda.Event()
-                self.done.record(stream)
-
-    def order_current_stream(self) -> None:
-        """Make the calling thread's current stream of the device wait for the call's work."""
-        if self.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.done)
+            # The caller's tensors are used on cerar's stream: the caching allocator must not hand
+            # their memory out again before that stream is done with them (as ProcessGroupNCCL does).
+            for tensor in self.tensors:
+                tensor.record_stream(stream)
+            yield
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -99,55 +91,24 @@ def _dedicated_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
-def _device_sync(tensor: torch.Tensor) -> _DeviceSync | None:
-    return _DeviceSync(tensor) if tensor.device.type == "cuda" else None
+def _device_sync(tensors: list[torch.Tensor]) -> _DeviceSync | None:
+    return _DeviceSync(tensors) if tensors and tensors[0].device.type == "cuda" else None
 
 
-class CerarWork:
-    """Handle of an async cerar call, shaped like ``torch.distributed.Work``."""
-
-    def __init__(self, future: Future[torch.Tensor], sync: _DeviceSync | None = None) -> None:
-        self._future = future
-        self._sync = sync
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the call completes; re-raise its error; on an accelerator, order the
-        caller's current stream after the call's work. Returns True."""
-        self._future.result(timeout=timeout)
-        if self._sync is not None:
-            self._sync.order_current_stream()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """A ``torch.futures.Future`` whose value is ``[tensor]``, as for torch's all_reduce
-        (CUDA-aware for a CUDA tensor: its consumers' streams wait for the result)."""
-        sync = self._sync
-        devices = [sync.device] if sync is not None else None
-        out: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices)
-
-        def forward(done: Future[torch.Tensor]) -> None:
-            error = done.exception()
-            if error is not None:
-                out.set_exception(error)
-                return
-            if sync is not None:
-                # The future records an event on the current stream of whichever thread runs
-                # this (the communication thread, or the caller's if the call had finished): make
-                # that stream wait for the call first.
-                with torch.cuda.device(sync.device):
-                    sync.order_current_stream()
-                    out.set_result([done.result()])
-            else:
-                out.set_result([done.result()])
-
-        self._future.add_done_callback(forward)
-        return out
+#: The name the async handle had before one class served every way in.
+CerarWork = Work
 
 
-_Job = tuple[Callable[[], None], Future[torch.Tensor], torch.Tensor, "_DeviceSync | None"]
+@dataclass(frozen=True)
+class _Job:
+    """One queued call: what runs, the future it completes (value: ``tensors``), and on an
+    accelerator its events."""
+
+    run: Callable[[], None]
+    future: torch.futures.Future[list[torch.Tensor]]
+    tensors: list[torch.Tensor]
+    sync: _DeviceSync | None
+    token: object = field(default_factory=object)
 
 
 class _Worker:
@@ -157,7 +118,7 @@ class _Worker:
     gave up on (stuck in a call) must never pick up the calls of the thread that replaces it.
     """
 
-    def __init__(self, finished: Callable[[Future[torch.Tensor]], None]) -> None:
+    def __init__(self, finished: Callable[[object], None]) -> None:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.finished = finished  # told before each future completes (see _Callers)
         self.thread = threading.Thread(target=self._loop, name="cerar-comm", daemon=True)
@@ -166,34 +127,32 @@ class _Worker:
     def _loop(self) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         while True:
-            item = self.jobs.get()
-            if item is None:
+            job = self.jobs.get()
+            if job is None:
                 return
-            job, future, tensor, sync = item
-            if not future.set_running_or_notify_cancel():
-                self.finished(future)
-                continue
-            try:
-                with sync.running() if sync is not None else contextlib.nullcontext():
-                    job()
-            except BaseException as exc:  # surfaced to the caller through the future
-                self.finished(future)
-                future.set_exception(exc)
-            else:
-                self.finished(future)
-                future.set_result(tensor)
+            # Completed inside the device's stream context: a CUDA-aware future records its events
+            # on cerar's stream, after the call's work.
+            with job.sync.running() if job.sync is not None else contextlib.nullcontext():
+                try:
+                    job.run()
+                except BaseException as exc:  # handed to the caller with its own type
+                    self.finished(job.token)
+                    job.future.set_exception(exc)
+                else:
+                    self.finished(job.token)
+                    job.future.set_result(job.tensors)
 
     def fail_queued(self) -> int:
         """Fail every call still queued (never started); returns how many."""
         failed = 0
         while True:
             try:
-                item = self.jobs.get_nowait()
+                job = self.jobs.get_nowait()
             except queue.Empty:
                 return failed
-            if item is not None and item[1].set_running_or_notify_cancel():
-                self.finished(item[1])
-                item[1].set_exception(
+            if job is not None:
+                self.finished(job.token)
+                job.future.set_exception(
                     ShutdownError("cerar.shutdown: the call was still queued behind a stuck call and never ran.")
                 )
                 failed += 1
@@ -212,21 +171,21 @@ class _Callers:
     def __init__(self) -> None:
         self._turn = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._in_flight: set[Future[torch.Tensor]] = set()
+        self._in_flight: set[object] = set()
 
-    def enter(self, future: Future[torch.Tensor]) -> None:
-        """Count ``future`` as the calling thread's, once no other thread's calls are in flight."""
+    def enter(self, token: object) -> None:
+        """Count the call ``token`` as the calling thread's, once no other thread's calls are in flight."""
         me = threading.current_thread()
         with self._turn:
             while self._in_flight and self._thread is not None and self._thread is not me:
                 self._turn.wait()
             self._thread = me
-            self._in_flight.add(future)
+            self._in_flight.add(token)
 
-    def leave(self, future: Future[torch.Tensor]) -> None:
-        """``future`` is about to complete (idempotent)."""
+    def leave(self, token: object) -> None:
+        """The call ``token`` is about to complete (idempotent)."""
         with self._turn:
-            self._in_flight.discard(future)
+            self._in_flight.discard(token)
             if not self._in_flight:
                 self._thread = None
                 self._turn.notify_all()
@@ -244,32 +203,33 @@ class CommThread:
         self._atexit_registered = False
         self._callers = _Callers()
 
-    def submit(self, job: Callable[[], None], tensor: torch.Tensor, async_op: bool) -> CerarWork | None:
-        """Queue ``job`` (which works on ``tensor`` in place); wait for it unless ``async_op``."""
-        future: Future[torch.Tensor] = Future()
+    def submit(
+        self, run: Callable[[], None], tensors: torch.Tensor | list[torch.Tensor], async_op: bool
+    ) -> Work | None:
+        """Queue ``run`` (which works on ``tensors`` in place); a :class:`Work` whose future's value
+        is ``tensors`` (a list), or with ``async_op=False`` wait for it (its error raised here)."""
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         worker = self._worker
         if not async_op and worker is not None and worker.thread is threading.current_thread():
             raise RuntimeError(
                 "cerar: a blocking call (async_op=False) cannot be made from the communication thread "
-                "(a CerarWork callback): it would wait for itself. Pass async_op=True."
+                "(a Work's callback): it would wait for itself. Pass async_op=True."
             )
-        self._callers.enter(future)
+        sync = _device_sync(tensors)
+        devices = [sync.device] if sync is not None else None
+        job = _Job(run, torch.futures.Future(devices=devices), tensors, sync)
+        self._callers.enter(job.token)
         try:
-            sync = _device_sync(tensor)
-            self._queue(job, future, tensor, sync)
+            self._queue(job)
         except BaseException:
-            self._callers.leave(future)
+            self._callers.leave(job.token)
             raise
         if async_op:
-            return CerarWork(future, sync)
-        future.result()
-        if sync is not None:
-            sync.order_current_stream()
+            return Work(job.future)
+        job.future.wait()  # the call's own error; on an accelerator, orders the current stream after it
         return None
 
-    def _queue(
-        self, job: Callable[[], None], future: Future[torch.Tensor], tensor: torch.Tensor, sync: _DeviceSync | None
-    ) -> None:
+    def _queue(self, job: _Job) -> None:
         with self._lock:
             if self._worker is None or not self._worker.thread.is_alive():
                 self._worker = _Worker(self._callers.leave)
@@ -278,7 +238,7 @@ class CommThread:
                     # whatever the program set up before (atexit runs them last-in first-out).
                     atexit.register(self.shutdown)
                     self._atexit_registered = True
-            self._worker.jobs.put((job, future, tensor, sync))
+            self._worker.jobs.put(job)
 
     def shutdown(self, timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
         """Stop the thread after the calls already submitted; see ``cerar.shutdown``.

@@ -1,8 +1,8 @@
-"""The all-reduce methods ``cerar bench`` compares: one :class:`AllReduceMethod` entry per method.
+"""The all-reduce methods ``cerar bench`` compares: one :class:`AllReduceMethod` per row of the route
+table (:mod:`cerar.comm.collective.routes`), the exact row under the bench's name ``builtin``.
 
-Adding a method (say ``ring-fp16``) is one entry in :data:`ALL_REDUCE_METHODS`: how to call it, how many
-bytes and rounds the algorithm needs in theory, and whether its transport reports the bytes it
-really sent. Nothing here imports torch at module load: the calls import it when they run.
+A row says how to call it, how many bytes and rounds it needs in theory and whether its transport
+reports the bytes it really sent; a method added to the table is a method of the bench.
 """
 
 from __future__ import annotations
@@ -93,50 +93,31 @@ class AllReduceMethod:
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
 
-def _builtin(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    import torch.distributed as dist
-
-    dist.all_reduce(tensor)
+BASELINE = "builtin"
 
 
-def _ring(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    from cerar.comm.collective.api import ring_all_reduce
+def _ranks_per_node() -> int | None:
+    """The launcher's ``CERAR_RANKS_PER_NODE`` (else None: torchrun's ``LOCAL_WORLD_SIZE``)."""
+    import os
 
-    ring_all_reduce(tensor, stats=stats)
-
-
-def _ring_16(wire: str) -> Call:
-    def call(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-        import torch
-
-        from cerar.comm.collective.api import ring_all_reduce
-
-        ring_all_reduce(tensor, wire_dtype=getattr(torch, wire), stats=stats)
-
-    return call
+    text = os.environ.get("CERAR_RANKS_PER_NODE")
+    return int(text) if text else None
 
 
-def _cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    from cerar.comm.collective.api import all_reduce
+def _call(row: str) -> Call:
+    """``call(tensor, code, stats, **options)``: one sum by the route table's row ``row``."""
 
-    all_reduce(tensor, code=code, stats=stats)
+    def call(tensor: Any, code: Code | None, stats: CommStats | None, **options: Any) -> None:
+        from cerar.comm.collective.routes import get_route, start
 
-
-def _cerar_16(packet: str) -> Call:
-    def call(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-        import torch
-
-        from cerar.comm.collective.api import all_reduce
-
-        all_reduce(tensor, code=code, packet_dtype=getattr(torch, packet), stats=stats)
+        route = get_route(row)
+        if route.coded:
+            options["code"] = code
+        if route.hierarchical:
+            options["ranks_per_node"] = _ranks_per_node()
+        start(route, tensor, stats=stats, **options)
 
     return call
-
-
-def _auto(tensor: Any, code: Code | None, stats: CommStats | None, max_error: float | None = None) -> None:
-    from cerar.comm.auto.collective import auto_all_reduce  # what all_reduce(method="auto") runs
-
-    auto_all_reduce(tensor, max_error=max_error, stats=stats)
 
 
 def _auto_calibrating(tensor: Any, max_error: float | None = None) -> bool:
@@ -149,115 +130,42 @@ def _auto_calibrating(tensor: Any, max_error: float | None = None) -> bool:
     return True
 
 
-def _ranks_per_node() -> int | None:
-    """The launcher's ``CERAR_RANKS_PER_NODE`` (else None: torchrun's ``LOCAL_WORLD_SIZE``)."""
-    import os
+def _rounds(coded: bool) -> Callable[[int, int | None], int]:
+    def rounds(n: int, c: int | None) -> int:
+        return c + n - 2 if coded and c else 2 * (n - 1)
 
-    text = os.environ.get("CERAR_RANKS_PER_NODE")
-    return int(text) if text else None
-
-
-def _hier_ring(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    from cerar.comm.collective.hierarchical import hierarchical_ring_all_reduce
-
-    hierarchical_ring_all_reduce(tensor, ranks_per_node=_ranks_per_node(), stats=stats)
+    return rounds
 
 
-def _hier_cerar(tensor: Any, code: Code | None, stats: CommStats | None) -> None:
-    from cerar.comm.collective.hierarchical import hierarchical_all_reduce
+def _methods() -> dict[str, AllReduceMethod]:
+    """Every row of the route table as a method of the bench (``exact`` under its bench name,
+    ``builtin``; ``auto`` run untimed while it calibrates)."""
+    import cerar.comm.auto.collective  # noqa: F401 (registers the auto row)
+    from cerar.comm.collective.routes import ROUTES, WIRE_BYTES
 
-    hierarchical_all_reduce(tensor, ranks_per_node=_ranks_per_node(), code=code, stats=stats)
-
-
-def _cerar_traffic(n: int, c: int | None) -> float:
-    assert c is not None
-    return (c + n - 2) / c
-
-
-def _cerar_rounds(n: int, c: int | None) -> int:
-    assert c is not None
-    return c + n - 2
-
-
-ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = {
-    m.name: m
-    for m in (
-        AllReduceMethod(
-            "builtin",
-            "torch.distributed.all_reduce on Gloo (the baseline)",
-            _builtin,
-            transport_stats=False,
+    methods = {}
+    for route in ROUTES.values():
+        name = BASELINE if route.name == "exact" else route.name
+        auto = route.method == "auto"
+        methods[name] = AllReduceMethod(
+            name,
+            "torch.distributed.all_reduce on Gloo (the baseline)" if name == BASELINE else route.description,
+            _call(route.name),
+            coded=route.coded,
+            transport_stats=route.transport == "cerar",
+            wire_bytes_per_value=WIRE_BYTES.get(route.wire or "fp32", 4.0),
+            traffic=route.values,
+            rounds=_rounds(route.coded),
             requires=None,
-        ),
-        AllReduceMethod("ring", "cerar's exact ring (reduce-scatter + all-gather) on cerar's transport", _ring),
-        AllReduceMethod(
-            "ring-fp16",
-            "the exact ring sending float16 (power-of-two scaled), accumulating in float32",
-            _ring_16("float16"),
-            wire_bytes_per_value=2.0,
-        ),
-        AllReduceMethod(
-            "ring-bf16",
-            "the exact ring sending bfloat16, accumulating in float32",
-            _ring_16("bfloat16"),
-            wire_bytes_per_value=2.0,
-        ),
-        AllReduceMethod(
-            "cerar",
-            "CERAR, one series per c and construction",
-            _cerar,
-            coded=True,
-            traffic=_cerar_traffic,
-            rounds=_cerar_rounds,
-        ),
-        AllReduceMethod(
-            "cerar-fp16",
-            "CERAR with float16 packets (power-of-two scaled; codes designed for float16), decoded in float64",
-            _cerar_16("float16"),
-            coded=True,
-            wire_bytes_per_value=2.0,
-            traffic=_cerar_traffic,
-            rounds=_cerar_rounds,
-            packet_precision="fp16",
-        ),
-        AllReduceMethod(
-            "cerar-bf16",
-            "CERAR with bfloat16 packets (codes designed for bfloat16), decoded in float64",
-            _cerar_16("bfloat16"),
-            coded=True,
-            wire_bytes_per_value=2.0,
-            traffic=_cerar_traffic,
-            rounds=_cerar_rounds,
-            packet_precision="bf16",
-        ),
-        AllReduceMethod(
-            "auto",
-            "cerar.all_reduce(method='auto'): the fastest of builtin, ring-fp16, cerar, cerar-fp16 within "
-            "--auto-max-error, decided from its own calls (calibration untimed)",
-            _auto,
-            options=("max_error",),
-            calibrating=_auto_calibrating,
-        ),
-        AllReduceMethod(
-            "hier-ring",
-            "exact reduce-scatter in each node, cerar's exact ring between nodes, all-gather in each node",
-            _hier_ring,
-            requires="cerar.comm.collective.hierarchical",
-            hierarchical=True,
-        ),
-        AllReduceMethod(
-            "hier-cerar",
-            "exact reduce-scatter in each node, CERAR (a code for M nodes) between nodes, all-gather in each node",
-            _hier_cerar,
-            coded=True,
-            traffic=_cerar_traffic,
-            rounds=_cerar_rounds,
-            requires="cerar.comm.collective.hierarchical",
-            hierarchical=True,
-        ),
-    )
-}
-BASELINE = "builtin"
+            packet_precision=route.wire or "fp32",
+            hierarchical=route.hierarchical,
+            options=("max_error",) if auto else (),
+            calibrating=_auto_calibrating if auto else None,
+        )
+    return methods
+
+
+ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = _methods()
 
 
 def get_method(name: str) -> AllReduceMethod:

@@ -126,7 +126,8 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     precision of 16-bit ones) or ``ring`` (the exact ring on the same transport)."""
     import torch
 
-    from cerar.comm.ddp.hooks import CerarState, cerar_hook, ring_hook
+    from cerar.comm.collective.routes import route_for
+    from cerar.comm.ddp.hooks import CerarState, route_hook
 
     coded = config.method == "cerar"
     components = config.components if config.components is not None else 2 * world_size
@@ -162,7 +163,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
         else:
             installed.collectives += 1  # the ring (its handshake rides on the same point-to-point links)
 
-    return installed, cerar_hook if coded else ring_hook, state, count
+    return installed, route_hook(route_for(config.method).name), state, count
 
 
 def _build_auto(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
