@@ -1,6 +1,7 @@
 """The 8-bit ring's block quantization as torch ops: CPU and CUDA alike, no host synchronisation.
 
-The format (:class:`BlockFormat`): values in blocks of ``fmt.block`` (the last block of a piece may
+The format (:class:`cerar.coding.blocks.BlockFormat`, whose numpy functions are the reference these
+ops match bit for bit): values in blocks of ``fmt.block`` (the last block of a piece may
 be shorter, as if zero padded). Per block, ``absmax = max|x|`` (float32), ``s = absmax / QMAX``
 (127 for int8, 448 for float8 e4m3fn) in float32, rounded to the scale type ``fmt.scale``
 (``"fp32"``, ``"fp16"`` or ``"bf16"``, to nearest even) and used as that value; codes
@@ -18,16 +19,17 @@ tensors (the short last block as a second, one-row call), and nothing reads a va
 host, so on CUDA a ring's rounds queue their kernels without waiting. Divisions are divisions
 (by a tensor: on CUDA, a division by a host scalar becomes a multiplication by its reciprocal),
 and a dequantized value is rounded before it is added, so that these ops, the compiled ones
-(:func:`cerar.comm.kernels.native.quant_kernels`) and the numpy reference agree bit for bit.
+(:func:`cerar.comm.kernels.native.quant_kernels`) and the numpy reference agree bit for bit (up
+to the payload of NaNs: a block that dequantizes to NaN is NaN in each, with its own bits).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from cerar.coding.blocks import SCALE_ITEMSIZE, BlockFormat
 
 __all__ = [
     "BlockFormat", "dequant_add_requant", "dequantize_add_", "dequantize_into", "packet_bytes", "qmax", "quantize_into",
@@ -35,44 +37,19 @@ __all__ = [
 ]  # fmt: skip
 
 _SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_WIRES = {
-    "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
-}  # fmt: skip
+_WIRES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
-@dataclass(frozen=True)
-class BlockFormat:
-    """The 8-bit wire's format: ``wire`` (``"int8"`` or ``"fp8"``, or the torch dtype), ``block``
-    values a scale, ``scale`` its type (``"fp32"``, ``"fp16"``, ``"bf16"``)."""
-
-    wire: Any = "int8"
-    block: int = 128
-    scale: str = "fp32"
-
-    def __post_init__(self) -> None:
-        wire_dtype(self)
-        scale_dtype(self)
-        if not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"Argument 'block' must be a positive int, not {self.block!r}.")
-
-    @property
-    def bytes_per_value(self) -> float:
-        """Wire bytes per value: a code byte, and a scale per block."""
-        return 1 + torch.empty((), dtype=scale_dtype(self)).element_size() / self.block
-
-
-def wire_dtype(fmt: Any) -> torch.dtype:
+def wire_dtype(fmt: BlockFormat) -> torch.dtype:
     """The codes' torch dtype: ``torch.int8`` or ``torch.float8_e4m3fn``."""
-    wire = fmt.wire
-    dtype = wire if isinstance(wire, torch.dtype) else _WIRES.get(str(wire).lower().removeprefix("torch."))
-    if dtype not in _QMAX:
-        raise ValueError(f"Argument 'wire' must be int8 or float8_e4m3fn, not {wire!r}.")
+    dtype = _WIRES.get(fmt.wire)
+    if dtype is None:
+        raise ValueError(f"Argument 'wire' must be one of {sorted(_WIRES)}, not {fmt.wire!r}.")
     return dtype
 
 
-def scale_dtype(fmt: Any) -> torch.dtype:
+def scale_dtype(fmt: BlockFormat) -> torch.dtype:
     """The scales' torch dtype on the wire."""
     dtype = _SCALE_DTYPES.get(str(fmt.scale))
     if dtype is None:
@@ -80,17 +57,17 @@ def scale_dtype(fmt: Any) -> torch.dtype:
     return dtype
 
 
-def qmax(fmt: Any) -> float:
+def qmax(fmt: BlockFormat) -> float:
     """The largest code's magnitude: 127 (int8) or 448 (float8 e4m3fn)."""
     return _QMAX[wire_dtype(fmt)]
 
 
-def packet_bytes(values: int, fmt: Any) -> int:
+def packet_bytes(values: int, fmt: BlockFormat) -> int:
     """The bytes of the packet of ``values`` values: ``ceil(values / B)`` scales, then the codes."""
-    return math.ceil(values / fmt.block) * torch.empty((), dtype=scale_dtype(fmt)).element_size() + values
+    return math.ceil(values / fmt.block) * SCALE_ITEMSIZE[fmt.scale] + values
 
 
-def _parts(values: int, fmt: Any) -> list[tuple[int, int, int]]:
+def _parts(values: int, fmt: BlockFormat) -> list[tuple[int, int, int]]:
     """``(first value, blocks, width)`` of the whole blocks and of the short last one (if any)."""
     full, rest = divmod(values, fmt.block)
     parts = [(0, full, fmt.block)] if full else []
@@ -99,33 +76,33 @@ def _parts(values: int, fmt: Any) -> list[tuple[int, int, int]]:
     return parts
 
 
-def _scales(packet: torch.Tensor, values: int, fmt: Any) -> torch.Tensor:
+def _scales(packet: torch.Tensor, values: int, fmt: BlockFormat) -> torch.Tensor:
     """The packet's scales as float32 (a view where the bytes are aligned, else a copy)."""
     dtype = scale_dtype(fmt)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = SCALE_ITEMSIZE[fmt.scale]
     raw = packet[: math.ceil(values / fmt.block) * size]
     if raw.data_ptr() % size:
         raw = raw.clone()
     return raw.view(dtype).float()
 
 
-def _codes(packet: torch.Tensor, values: int, fmt: Any) -> torch.Tensor:
+def _codes(packet: torch.Tensor, values: int, fmt: BlockFormat) -> torch.Tensor:
     """The packet's codes, as the wire's dtype (a view)."""
-    start = math.ceil(values / fmt.block) * torch.empty((), dtype=scale_dtype(fmt)).element_size()
+    start = math.ceil(values / fmt.block) * SCALE_ITEMSIZE[fmt.scale]
     return packet[start : start + values].view(wire_dtype(fmt))
 
 
-def _limit(fmt: Any, device: torch.device) -> torch.Tensor:
+def _limit(fmt: BlockFormat, device: torch.device) -> torch.Tensor:
     """QMAX as a 0-d tensor on ``device``: divided by, not multiplied by its reciprocal."""
     return torch.full((), qmax(fmt), dtype=torch.float32, device=device)
 
 
-def quantize_into(x: torch.Tensor, packet: torch.Tensor, fmt: Any) -> None:
+def quantize_into(x: torch.Tensor, packet: torch.Tensor, fmt: BlockFormat) -> None:
     """``packet`` (uint8, :func:`packet_bytes` of ``x.numel()``) = the 1-d float32 ``x`` quantized."""
     m = x.numel()
     nb = math.ceil(m / fmt.block)
     dtype = scale_dtype(fmt)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = SCALE_ITEMSIZE[fmt.scale]
     scales = torch.empty(nb, dtype=dtype, device=x.device)
     codes = packet[nb * size : nb * size + m]
     limit, top = _limit(fmt, x.device), qmax(fmt)
@@ -146,7 +123,7 @@ def quantize_into(x: torch.Tensor, packet: torch.Tensor, fmt: Any) -> None:
     packet[: nb * size].copy_(scales.view(torch.uint8))
 
 
-def _dequantize(packet: torch.Tensor, values: int, fmt: Any) -> list[tuple[int, int, torch.Tensor]]:
+def _dequantize(packet: torch.Tensor, values: int, fmt: BlockFormat) -> list[tuple[int, int, torch.Tensor]]:
     """``(first value, values, dequantized (blocks, width))`` per part of the packet."""
     scales, codes = _scales(packet, values, fmt), _codes(packet, values, fmt)
     parts = []
@@ -157,20 +134,20 @@ def _dequantize(packet: torch.Tensor, values: int, fmt: Any) -> list[tuple[int, 
     return parts
 
 
-def dequantize_into(out: torch.Tensor, packet: torch.Tensor, fmt: Any) -> None:
+def dequantize_into(out: torch.Tensor, packet: torch.Tensor, fmt: BlockFormat) -> None:
     """The 1-d float32 ``out`` = ``packet``'s values."""
     for first, count, values in _dequantize(packet, out.numel(), fmt):
         out[first : first + count].copy_(values.view(-1))
 
 
-def dequantize_add_(acc: torch.Tensor, packet: torch.Tensor, fmt: Any) -> None:
+def dequantize_add_(acc: torch.Tensor, packet: torch.Tensor, fmt: BlockFormat) -> None:
     """``acc += packet``'s values (1-d float32; each product rounded, then added)."""
     for first, count, values in _dequantize(packet, acc.numel(), fmt):
         acc[first : first + count].add_(values.view(-1))
 
 
 def dequant_add_requant(
-    own: torch.Tensor, arrived: torch.Tensor, out: torch.Tensor, fmt: Any, keep: bool = False
+    own: torch.Tensor, arrived: torch.Tensor, out: torch.Tensor, fmt: BlockFormat, keep: bool = False
 ) -> None:
     """A reduce-scatter hop: ``own += arrived``'s values (the float32 partial sum, in place),
     ``out`` = ``own`` quantized, and with ``keep``, ``own`` = ``out``'s values (the owner of a
