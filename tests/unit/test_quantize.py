@@ -162,6 +162,26 @@ def test_rounding_ties_and_every_code(wire: str) -> None:
             assert torch.equal(compiled, packet)
 
 
+@pytest.mark.parametrize("scale", blocks.SCALE_DTYPES)
+def test_every_code_dequantizes_as_the_reference(scale: str) -> None:
+    """All 256 bytes (the e4m3fn NaNs included), by a scale of 1 and of 0.75, through the torch ops
+    and the compiled kernels."""
+    for wire in blocks.WIRES:
+        fmt = BlockFormat(wire, 256, scale)
+        codes = np.arange(256, dtype=np.uint8)
+        for value in (1.0, 0.75):
+            raw = torch.tensor([value], dtype=q8.scale_dtype(fmt)).view(torch.uint8)
+            packet = torch.cat([raw, torch.from_numpy(codes)])
+            given = codes.view(np.int8) if wire == "int8" else codes
+            expected = blocks.dequantize(given, np.float32([value]), fmt, 256)
+            out = torch.empty(256)
+            q8.dequantize_into(out, packet, fmt)
+            assert _same(out, expected)
+            if shutil.which("cc"):
+                _kernels(fmt).dequantize(packet, out)
+                assert _same(out, expected)
+
+
 def test_block_sums_spread_nonfinite_within_their_block_only() -> None:
     fmt = BlockFormat("int8", 8, "bf16")
     x = torch.randn(64)

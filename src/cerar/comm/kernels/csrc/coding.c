@@ -479,20 +479,14 @@ static inline uint8_t fp8_from_float(float f) {
     return (uint8_t)(code | (sign >> 24));
 }
 
-/* Every e4m3fn code's value (0x7f and 0xff are NaN). */
-static void fp8_table(float table[256]) {
-    for (int b = 0; b < 256; ++b) {
-        const int exponent = (b >> 3) & 15, mantissa = b & 7;
-        float value;
-        if (exponent == 15 && mantissa == 7) {
-            value = bits_float(0x7fc00000u);
-        } else if (exponent == 0) {
-            value = (float)mantissa * 0x1.0p-9f;
-        } else {
-            value = bits_float(((uint32_t)(exponent + 120) << 23) | ((uint32_t)mantissa << 20));
-        }
-        table[b] = (b & 0x80) ? -value : value;
-    }
+/* An e4m3fn code's value (0x7f and 0xff are NaN), branch-free so that it vectorises. */
+static inline float fp8_to_float(uint8_t code) {
+    const uint32_t c = code, sign = (c & 0x80u) << 24, exponent = (c >> 3) & 15u, mantissa = c & 7u;
+    const uint32_t normal = ((exponent + 120u) << 23) | (mantissa << 20);
+    const uint32_t small = float_bits((float)(int32_t)mantissa * 0x1.0p-9f); /* exponent 0: mantissa 2**-9 */
+    const uint32_t subnormal = 0u - (uint32_t)(exponent == 0), nan = 0u - (uint32_t)((c & 0x7fu) == 0x7fu);
+    const uint32_t bits = (small & subnormal) | (normal & ~subnormal);
+    return bits_float(((0x7fc00000u & nan) | (bits & ~nan)) | sign);
 }
 
 static inline int64_t scale_size(int32_t kind) { return kind == SCALE_F32 ? 4 : 2; }
@@ -572,8 +566,8 @@ static inline void quantize_blocks(int64_t m, int64_t block, int32_t wire, int32
 }
 
 /* out = q * s, or out += q * s (the product rounded first). */
-static inline void dequantize_block(const uint8_t *codes, int64_t w, int32_t wire, const float *table, float s,
-                                    float *out, int accumulate) {
+static inline void dequantize_block(const uint8_t *codes, int64_t w, int32_t wire, float s, float *out,
+                                    int accumulate) {
     if (wire == WIRE_INT8) {
         if (accumulate) {
             for (int64_t j = 0; j < w; ++j) {
@@ -585,11 +579,11 @@ static inline void dequantize_block(const uint8_t *codes, int64_t w, int32_t wir
         }
     } else if (accumulate) {
         for (int64_t j = 0; j < w; ++j) {
-            const float p = table[codes[j]] * s;
+            const float p = fp8_to_float(codes[j]) * s;
             out[j] = out[j] + p;
         }
     } else {
-        for (int64_t j = 0; j < w; ++j) out[j] = table[codes[j]] * s;
+        for (int64_t j = 0; j < w; ++j) out[j] = fp8_to_float(codes[j]) * s;
     }
 }
 
@@ -614,13 +608,11 @@ int cerar_quantize(int64_t m, int64_t block, int32_t wire, int32_t kind, const f
 int cerar_dequantize(int64_t m, int64_t block, int32_t wire, int32_t kind, const uint8_t *packet, float *out,
                      int32_t accumulate) {
     if (m < 0 || !cerar_quant_supports(wire, kind, block)) return -1;
-    float table[256];
-    if (wire == WIRE_FP8_E4M3) fp8_table(table);
     const int64_t nb = (m + block - 1) / block;
     const uint8_t *codes = packet + nb * scale_size(kind);
     for (int64_t i = 0; i < nb; ++i) {
         const int64_t a = i * block, w = m - a < block ? m - a : block;
-        dequantize_block(codes + a, w, wire, table, get_scale(packet, i, kind), out + a, accumulate);
+        dequantize_block(codes + a, w, wire, get_scale(packet, i, kind), out + a, accumulate);
     }
     return 0;
 }
@@ -629,17 +621,15 @@ int cerar_dequant_add_requant(int64_t m, int64_t block, int32_t wire, int32_t ki
                               const uint8_t *arrived, uint8_t *out, int32_t keep) {
     if (m < 0 || !cerar_quant_supports(wire, kind, block)) return -1;
     const float qmax = wire == WIRE_INT8 ? 127.0f : 448.0f;
-    float table[256];
-    if (wire == WIRE_FP8_E4M3) fp8_table(table);
     const int64_t nb = (m + block - 1) / block, size = scale_size(kind);
     const uint8_t *codes_in = arrived + nb * size;
     uint8_t *codes_out = out + nb * size;
     for (int64_t i = 0; i < nb; ++i) { /* a block at a time, while it is in the cache */
         const int64_t a = i * block, w = m - a < block ? m - a : block;
-        dequantize_block(codes_in + a, w, wire, table, get_scale(arrived, i, kind), own + a, 1);
+        dequantize_block(codes_in + a, w, wire, get_scale(arrived, i, kind), own + a, 1);
         const float s = put_scale(block_top(own + a, w), qmax, kind, out + i * size);
         codes_of(own + a, w, wire, s, qmax, codes_out + a);
-        if (keep) dequantize_block(codes_out + a, w, wire, table, s, own + a, 0);
+        if (keep) dequantize_block(codes_out + a, w, wire, s, own + a, 0);
     }
     return 0;
 }
