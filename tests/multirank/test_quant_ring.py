@@ -167,10 +167,13 @@ def _avg_worker(rank: int, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     quant_ring_call(x, "avg", ring, fmt, "raise", None)
     wide = _input(rank, 777, 3).double()  # a float64 tensor travels as float32
     quant_ring_call(wide, "sum", ring, fmt, "raise", None)
+    empty = torch.empty(0)
+    quant_ring_call(empty, "sum", ring, fmt, "raise", None)  # nothing to send, no hang
+    run_quantized_ring(empty, ring, CommStats(), fmt)
     return given.numpy(), x.numpy(), wide.numpy()
 
 
-def test_avg_and_float64() -> None:
+def test_avg_float64_and_empty() -> None:
     results = check(run_ranks(_avg_worker, 3, timeout=120))
     inputs = np.stack([r[0] for r in results])
     fmt = BlockFormat("fp8", 32, "fp16")
