@@ -226,6 +226,26 @@ def test_compiled_kernels_match_the_torch_ops(fmt: BlockFormat, kind: str) -> No
             assert torch.equal(_code_bytes(out_a, m, fmt), _code_bytes(out_b, m, fmt))
 
 
+@pytest.mark.parametrize("scale", blocks.SCALE_DTYPES)
+def test_scales_round_alike_over_every_binade(scale: str) -> None:
+    """Blocks of one value, so that each value has its own scale ``|x| / QMAX``: random mantissas at
+    every float32 exponent (subnormals, float16's subnormal scales and its overflow, bfloat16's
+    rounding up to infinity), through the reference, the torch ops and the compiled kernels."""
+    g = np.random.default_rng(5)
+    bits = (g.integers(0, 255, 200_000, dtype=np.uint32) << 23) | g.integers(0, 1 << 23, 200_000, dtype=np.uint32)
+    x = torch.from_numpy(bits.view(np.float32) * np.where(g.random(200_000) < 0.5, -1, 1).astype(np.float32))
+    for wire in blocks.WIRES:
+        fmt = BlockFormat(wire, 1, scale)
+        packet = _packet(x.numel(), fmt)
+        q8.quantize_into(x, packet, fmt)
+        codes, scales = _unpack(packet, x.numel(), fmt)
+        ref_codes, ref_scales = _reference_quantize(x, fmt)
+        assert _same(scales, ref_scales) and np.array_equal(codes, ref_codes)
+        compiled = _packet(x.numel(), fmt)
+        _kernels(fmt).quantize(x, compiled)
+        assert torch.equal(compiled, packet)
+
+
 def test_the_compiled_kernels_are_declined_where_they_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert native.quant_kernels(torch.int8, "fp32", 64, torch.float64, cpu) is None
