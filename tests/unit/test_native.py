@@ -145,7 +145,7 @@ def test_the_build_is_cached_and_leaves_no_temporary_files(fresh: Path, monkeypa
 
     built = listing()
     assert [p.name.removeprefix(built[0].name) for p in built] == ["", ".sha256"], sorted(fresh.iterdir())
-    assert built[0].suffix == ".so" and native.status() == f"on: {built[0]}"
+    assert built[0].suffix == ".so" and native.status() == f"on: {built[0]}; {native.KERNELS}"
     assert fresh.stat().st_mode & 0o777 == 0o700  # created private
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_status", None)  # a new process on the same machine
@@ -310,7 +310,7 @@ def test_a_damaged_library_is_rebuilt_once(
         (fresh / f"{name}.sha256").write_bytes(native._digest(damaged))
     _new_process(monkeypatch)
     _assert_decodes_right()
-    assert native.status() == f"on: {fresh / name}"
+    assert native.status() == f"on: {fresh / name}; {native.KERNELS}"
     assert native._digest((fresh / name).read_bytes()) == (fresh / f"{name}.sha256").read_bytes()
 
 

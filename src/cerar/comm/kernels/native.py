@@ -26,6 +26,12 @@ a layout's run is built and at every call (:func:`enabled`), so setting it in a 
 takes effect at the next call. ``CC`` may hold a compiler with arguments (``CC="gcc -O2"``),
 split as a shell splits words. The encode is vectorised by hand (AVX2) for codes of 8, 16, 24 or
 32 components, the decode compiled for up to 32; elsewhere they return None.
+
+The same library holds the 8-bit ring's coding (:func:`quant_kernels`): the block quantization
+of :mod:`cerar.comm.kernels.quantize`'s torch ops, bit for bit (divisions, no contraction into
+fused multiply-adds), for float32 on the CPU, int8 and float8 e4m3fn wires, float32, float16 and
+bfloat16 scales: the quantize of a packet, its dequantize, and a reduce-scatter hop's
+dequantize-add-requantize in one pass over memory.
 """
 
 from __future__ import annotations
@@ -46,16 +52,22 @@ import torch
 from cerar._cache import PrivateFolder, cache_dir
 
 __all__ = [
-    "PACKET_KINDS", "FusedDecoder", "FusedEncoder", "enabled", "fused_decoder", "fused_encoder", "status", "warm",
+    "KERNELS", "PACKET_KINDS", "QUANT_SCALES", "QUANT_WIRES", "FusedDecoder", "FusedEncoder", "QuantKernels",
+    "enabled", "fused_decoder", "fused_encoder", "quant_kernels", "status", "warm",
 ]  # fmt: skip
 
 _SOURCE = "coding.c"
-_VERSION = 2  # cerar_native_version() of the source this module speaks to
+_VERSION = 3  # cerar_native_version() of the source this module speaks to
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
 _BUILD_TIMEOUT_S = 120
 
 #: Packet dtypes the kernel reads, by the code it takes.
 PACKET_KINDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: The 8-bit kernels' wires and scale types, by the codes they take.
+QUANT_WIRES: dict[torch.dtype, int] = {torch.int8: 0, torch.float8_e4m3fn: 1}
+QUANT_SCALES: dict[str, int] = {"fp32": 0, "fp16": 1, "bf16": 2}
+#: What the library computes, as :func:`status` names it.
+KERNELS = "kernels: CERAR's encode and decode, the 8-bit ring's quantize and dequantize-add-requantize"
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -201,6 +213,15 @@ def _bind(library: ctypes.CDLL) -> None:
     library.cerar_encode_supports.argtypes = [ctypes.c_int64]
     library.cerar_decode_supports.restype = ctypes.c_int
     library.cerar_decode_supports.argtypes = [ctypes.c_int64]
+    library.cerar_quant_supports.restype = ctypes.c_int
+    library.cerar_quant_supports.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64]
+    head = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]  # values, block, wire, scale
+    library.cerar_quantize.restype = ctypes.c_int
+    library.cerar_quantize.argtypes = [*head, ctypes.c_void_p, ctypes.c_void_p]
+    library.cerar_dequantize.restype = ctypes.c_int
+    library.cerar_dequantize.argtypes = [*head, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+    library.cerar_dequant_add_requant.restype = ctypes.c_int
+    library.cerar_dequant_add_requant.argtypes = [*head, *[ctypes.c_void_p] * 3, ctypes.c_int32]
 
 
 def warm(device: torch.device, data: torch.dtype) -> None:
@@ -212,13 +233,13 @@ def warm(device: torch.device, data: torch.dtype) -> None:
 
 
 def status() -> str:
-    """Whether the compiled coding is in use (``"on: <library>"``) or why not (``"off: ..."``);
-    builds it if that was not tried yet."""
+    """Whether the compiled coding is in use (``"on: <library>; kernels: ..."``, what it computes)
+    or why not (``"off: ..."``); builds it if that was not tried yet."""
     _load()
     if not enabled():
         return "off: CERAR_NATIVE=0"
     assert _status is not None
-    return _status
+    return f"{_status}; {KERNELS}" if _status.startswith("on") else _status
 
 
 class FusedDecoder:
@@ -302,3 +323,50 @@ def fused_encoder(rows: torch.Tensor, data: torch.dtype, device: torch.device) -
     if library is None or not library.cerar_encode_supports(rows.shape[1]):
         return None
     return FusedEncoder(library.cerar_encode, rows)
+
+
+class QuantKernels:
+    """The compiled 8-bit coding for one wire, scale type and block size
+    (:mod:`cerar.comm.kernels.quantize`'s torch ops, bit for bit). Tensors: float32 values,
+    contiguous; packets contiguous uint8 views of ``packet_bytes(m)`` bytes (any alignment)."""
+
+    __slots__ = ("_dequant_add_requant", "_dequantize", "_head", "_quantize", "block")
+
+    def __init__(self, library: ctypes.CDLL, wire: int, scale: int, block: int) -> None:
+        self._quantize, self._dequantize = library.cerar_quantize, library.cerar_dequantize
+        self._dequant_add_requant = library.cerar_dequant_add_requant
+        self._head, self.block = (block, wire, scale), block
+
+    def quantize(self, x: torch.Tensor, packet: torch.Tensor) -> None:
+        """``packet`` = the blocks of ``x`` quantized."""
+        self._check(self._quantize(x.numel(), *self._head, x.data_ptr(), packet.data_ptr()), "quantize")
+
+    def dequantize(self, packet: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+        """``out`` = ``packet``'s values, or ``out +=`` them (each product rounded, then added)."""
+        code = self._dequantize(out.numel(), *self._head, packet.data_ptr(), out.data_ptr(), int(accumulate))
+        self._check(code, "dequantize")
+
+    def dequant_add_requant(self, own: torch.Tensor, arrived: torch.Tensor, out: torch.Tensor, keep: bool) -> None:
+        """``own += arrived``'s values; ``out`` = ``own`` quantized; with ``keep``, ``own`` = ``out``'s values."""
+        code = self._dequant_add_requant(
+            own.numel(), *self._head, own.data_ptr(), arrived.data_ptr(), out.data_ptr(), int(keep)
+        )
+        self._check(code, "dequantize-add-requantize")
+
+    def _check(self, code: int, name: str) -> None:
+        if code != 0:
+            raise ValueError(f"cerar's compiled {name} refused block={self.block}, wire/scale {self._head[1:]}.")
+
+
+def quant_kernels(
+    wire: torch.dtype, scale: str, block: int, data: torch.dtype, device: torch.device
+) -> QuantKernels | None:
+    """The compiled 8-bit coding (:class:`QuantKernels`), or None where the torch ops must run:
+    not a CPU tensor, data other than float32, a wire or scale type the kernels do not take, or
+    no compiled library (:func:`status`)."""
+    if device.type != "cpu" or data != torch.float32 or wire not in QUANT_WIRES or scale not in QUANT_SCALES:
+        return None
+    library = _load()
+    if library is None or not library.cerar_quant_supports(QUANT_WIRES[wire], QUANT_SCALES[scale], block):
+        return None
+    return QuantKernels(library, QUANT_WIRES[wire], QUANT_SCALES[scale], block)

@@ -403,4 +403,237 @@ int cerar_fused_decode(int64_t w, int64_t c, const float *x, const void *obs, in
 }
 
 /* The build's ABI version: native.py refuses a library whose version it does not know. */
-int cerar_native_version(void) { return 2; }
+int cerar_native_version(void) { return 3; }
+
+/* ---- block-quantized 8-bit packets ------------------------------------------------------- */
+
+/* The 8-bit ring's coding (cerar/comm/kernels/quantize.py holds the torch ops these match bit for
+   bit; cerar/coding/blocks.py the format). Values in blocks of `block` (the last one of a piece
+   may be shorter). Per block: absmax = max |x|, s = absmax / QMAX (127 for int8, 448 for
+   float8 e4m3fn) rounded to the scale's type (float32, float16 or bfloat16, to nearest even)
+   and used as that value; codes q = x / s (a division, as torch's), clamped to [-QMAX, QMAX],
+   then rounded half to even to int8, or to nearest even to e4m3fn. A block whose s is 0 or not
+   finite gets codes 0 (its dequantized values are then 0, or NaN for a NaN/Inf scale). A packet
+   is the nb scales (in the scale's type, little-endian as the machine's) followed by the m
+   codes, byte-aligned only: scales are read and written with memcpy.
+
+   cerar_quantize: packet = quantize(x). cerar_dequantize: out = dequantize(packet), or out +=
+   it. cerar_dequant_add_requant, a reduce-scatter hop: own += dequantize(arrived) (float32),
+   out = quantize(own), and with keep, own = dequantize(out) (the owner keeps what it sends).
+   Dequantize is q * s, rounded, then added: no contraction into a fused multiply-add (the
+   pragmas below; -march=native offers FMA), else the sums would differ from torch's. */
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+enum { WIRE_INT8 = 0, WIRE_FP8_E4M3 = 1 };
+enum { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_BF16 = 2 };
+
+static inline uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bits_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float32 to float16, to nearest even, NaN to a quiet NaN (c10's fp16_ieee_from_fp32_value). */
+static inline uint16_t half_from_float(float f) {
+    const float scale_to_inf = 0x1.0p+112f, scale_to_zero = 0x1.0p-110f;
+    float base = (bits_float(float_bits(f) & 0x7fffffffu) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = float_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bits_float((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = float_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+/* float32 to bfloat16, to nearest even, NaN to 0x7fc0 (c10's round_to_nearest_even). */
+static inline uint16_t bf16_from_float(float f) {
+    const uint32_t u = float_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* float32 (within [-448, 448]) to float8 e4m3fn, to nearest even (c10's fp8e4m3fn_from_fp32_value,
+   branch-free so that it vectorises). */
+static inline uint8_t fp8_from_float(float f) {
+    const uint32_t denorm_mask = 141u << 23;
+    uint32_t bits = float_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    const uint32_t small = float_bits(bits_float(bits) + bits_float(denorm_mask)) - denorm_mask;
+    const uint32_t normal = (bits + (uint32_t)(-(120 << 23)) + 0x7ffffu + ((bits >> 20) & 1u)) >> 20;
+    const uint32_t tiny = 0u - (uint32_t)(bits < (121u << 23)); /* all ones below 2**-6: a mask, not a branch */
+    const uint32_t code = (small & tiny) | (normal & ~tiny);
+    return (uint8_t)(code | (sign >> 24));
+}
+
+/* An e4m3fn code's value (0x7f and 0xff are NaN), branch-free so that it vectorises. */
+static inline float fp8_to_float(uint8_t code) {
+    const uint32_t c = code, sign = (c & 0x80u) << 24, exponent = (c >> 3) & 15u, mantissa = c & 7u;
+    const uint32_t normal = ((exponent + 120u) << 23) | (mantissa << 20);
+    const uint32_t small = float_bits((float)(int32_t)mantissa * 0x1.0p-9f); /* exponent 0: mantissa 2**-9 */
+    const uint32_t subnormal = 0u - (uint32_t)(exponent == 0), nan = 0u - (uint32_t)((c & 0x7fu) == 0x7fu);
+    const uint32_t bits = (small & subnormal) | (normal & ~subnormal);
+    return bits_float(((0x7fc00000u & nan) | (bits & ~nan)) | sign);
+}
+
+static inline int64_t scale_size(int32_t kind) { return kind == SCALE_F32 ? 4 : 2; }
+
+/* The scale of a block of largest magnitude bits `top` (|x|'s bits: NaN above 0x7f800000), as
+   the value used, stored at `at` in the scale's type. */
+static inline float put_scale(uint32_t top, float qmax, int32_t kind, uint8_t *at) {
+    const float absmax = top > 0x7f800000u ? bits_float(0x7fc00000u) : bits_float(top);
+    const float s = absmax / qmax;
+    if (kind == SCALE_F32) {
+        memcpy(at, &s, 4);
+        return s;
+    }
+    uint16_t h;
+    float value;
+    if (kind == SCALE_F16) {
+        h = half_from_float(s);
+        value = load_f16(&h, 0);
+    } else {
+        h = bf16_from_float(s);
+        value = bits_float((uint32_t)h << 16);
+    }
+    memcpy(at, &h, 2);
+    return value;
+}
+
+static inline float get_scale(const uint8_t *scales, int64_t i, int32_t kind) {
+    if (kind == SCALE_F32) {
+        float s;
+        memcpy(&s, scales + 4 * i, 4);
+        return s;
+    }
+    uint16_t h;
+    memcpy(&h, scales + 2 * i, 2);
+    return kind == SCALE_F16 ? load_f16(&h, 0) : bits_float((uint32_t)h << 16);
+}
+
+static inline uint32_t block_top(const float *x, int64_t w) {
+    uint32_t top = 0;
+    for (int64_t j = 0; j < w; ++j) {
+        const uint32_t a = float_bits(x[j]) & 0x7fffffffu;
+        top = a > top ? a : top;
+    }
+    return top;
+}
+
+/* One block's codes at scale s (0 < s < inf, else all codes 0). */
+static inline void codes_of(const float *x, int64_t w, int32_t wire, float s, float qmax, uint8_t *codes) {
+    if (!(s > 0.0f && s <= 0x1.fffffep+127f)) {
+        memset(codes, 0, (size_t)w);
+    } else if (wire == WIRE_INT8) {
+        for (int64_t j = 0; j < w; ++j) {
+            float q = x[j] / s;
+            q = q < -qmax ? -qmax : q;
+            q = q > qmax ? qmax : q;
+            codes[j] = (uint8_t)(int32_t)__builtin_rintf(q); /* the current mode: to nearest even */
+        }
+    } else {
+        for (int64_t j = 0; j < w; ++j) {
+            float q = x[j] / s;
+            q = q < -qmax ? -qmax : q;
+            q = q > qmax ? qmax : q;
+            codes[j] = fp8_from_float(q);
+        }
+    }
+}
+
+static inline void quantize_blocks(int64_t m, int64_t block, int32_t wire, int32_t kind, const float *x, uint8_t *packet) {
+    const float qmax = wire == WIRE_INT8 ? 127.0f : 448.0f;
+    const int64_t nb = (m + block - 1) / block;
+    uint8_t *codes = packet + nb * scale_size(kind);
+    for (int64_t i = 0; i < nb; ++i) {
+        const int64_t a = i * block, w = m - a < block ? m - a : block;
+        const float s = put_scale(block_top(x + a, w), qmax, kind, packet + i * scale_size(kind));
+        codes_of(x + a, w, wire, s, qmax, codes + a);
+    }
+}
+
+/* out = q * s, or out += q * s (the product rounded first). */
+static inline void dequantize_block(const uint8_t *codes, int64_t w, int32_t wire, float s, float *out,
+                                    int accumulate) {
+    if (wire == WIRE_INT8) {
+        if (accumulate) {
+            for (int64_t j = 0; j < w; ++j) {
+                const float p = (float)(int8_t)codes[j] * s;
+                out[j] = out[j] + p;
+            }
+        } else {
+            for (int64_t j = 0; j < w; ++j) out[j] = (float)(int8_t)codes[j] * s;
+        }
+    } else if (accumulate) {
+        for (int64_t j = 0; j < w; ++j) {
+            const float p = fp8_to_float(codes[j]) * s;
+            out[j] = out[j] + p;
+        }
+    } else {
+        for (int64_t j = 0; j < w; ++j) out[j] = fp8_to_float(codes[j]) * s;
+    }
+}
+
+/* Whether the kernels below take this wire, scale type and block size. */
+int cerar_quant_supports(int32_t wire, int32_t kind, int64_t block) {
+    return (wire == WIRE_INT8 || wire == WIRE_FP8_E4M3) && (kind == SCALE_F32 || kind == SCALE_F16 || kind == SCALE_BF16)
+        && block >= 1;
+}
+
+/* The bytes of the packet of m values. */
+int64_t cerar_quant_packet_bytes(int64_t m, int64_t block, int32_t kind) {
+    return (m + block - 1) / block * scale_size(kind) + m;
+}
+
+/* Each returns 0, or -1 for arguments the kernels do not take (the caller then uses torch ops). */
+int cerar_quantize(int64_t m, int64_t block, int32_t wire, int32_t kind, const float *x, uint8_t *packet) {
+    if (m < 0 || !cerar_quant_supports(wire, kind, block)) return -1;
+    quantize_blocks(m, block, wire, kind, x, packet);
+    return 0;
+}
+
+int cerar_dequantize(int64_t m, int64_t block, int32_t wire, int32_t kind, const uint8_t *packet, float *out,
+                     int32_t accumulate) {
+    if (m < 0 || !cerar_quant_supports(wire, kind, block)) return -1;
+    const int64_t nb = (m + block - 1) / block;
+    const uint8_t *codes = packet + nb * scale_size(kind);
+    for (int64_t i = 0; i < nb; ++i) {
+        const int64_t a = i * block, w = m - a < block ? m - a : block;
+        dequantize_block(codes + a, w, wire, get_scale(packet, i, kind), out + a, accumulate);
+    }
+    return 0;
+}
+
+int cerar_dequant_add_requant(int64_t m, int64_t block, int32_t wire, int32_t kind, float *own,
+                              const uint8_t *arrived, uint8_t *out, int32_t keep) {
+    if (m < 0 || !cerar_quant_supports(wire, kind, block)) return -1;
+    const float qmax = wire == WIRE_INT8 ? 127.0f : 448.0f;
+    const int64_t nb = (m + block - 1) / block, size = scale_size(kind);
+    const uint8_t *codes_in = arrived + nb * size;
+    uint8_t *codes_out = out + nb * size;
+    for (int64_t i = 0; i < nb; ++i) { /* a block at a time, while it is in the cache */
+        const int64_t a = i * block, w = m - a < block ? m - a : block;
+        dequantize_block(codes_in + a, w, wire, get_scale(arrived, i, kind), own + a, 1);
+        const float s = put_scale(block_top(own + a, w), qmax, kind, out + i * size);
+        codes_of(own + a, w, wire, s, qmax, codes_out + a);
+        if (keep) dequantize_block(codes_out + a, w, wire, s, own + a, 0);
+    }
+    return 0;
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
