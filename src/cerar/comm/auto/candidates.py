@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cerar._checks import check_choice, check_int
+from cerar.coding.blocks import WIRES as WIRES_8BIT
+from cerar.coding.blocks import BlockFormat, ring_error_bound
 from cerar.coding.code import Code, check_max_error
 
 __all__ = [
@@ -32,23 +34,33 @@ __all__ = [
 #: The largest relative error of one rounding to nearest, by wire precision.
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
 #: Every candidate ``method="auto"`` knows (exact first: the reference; trials run by bytes sent).
-CANDIDATE_NAMES = ("exact", "fp16", "bf16", "cerar", "cerar-fp16", "cerar-bf16")
-#: The candidates tried by default (the bfloat16 ones send the same bytes and err more).
-DEFAULT_CANDIDATES = ("exact", "fp16", "cerar", "cerar-fp16")
-#: The exact and 16-bit rings: the baselines CERAR must beat by the margin.
-BASELINE_NAMES = ("exact", "fp16", "bf16")
+CANDIDATE_NAMES = ("exact", "fp16", "bf16", "int8", "fp8", "cerar", "cerar-fp16", "cerar-bf16")
+#: The candidates tried by default (the bfloat16 ones send the same bytes and err more; the
+#: float8 ring sends the int8 ring's bytes and errs more).
+DEFAULT_CANDIDATES = ("exact", "fp16", "int8", "cerar", "cerar-fp16")
+#: The exact, 16-bit and 8-bit rings: the baselines CERAR must beat by the margin.
+BASELINE_NAMES = ("exact", "fp16", "bf16", "int8", "fp8")
 #: The row of the route table (:mod:`cerar.comm.collective.routes`) each candidate runs, by
 #: context: the DDP hook's 16-bit rings are torch's compress hooks, the collective's cerar's rings.
 ROWS = {
-    "collective": {name: {"fp16": "ring-fp16", "bf16": "ring-bf16"}.get(name, name) for name in CANDIDATE_NAMES},
-    "ddp": {name: {"fp16": "torch-fp16", "bf16": "torch-bf16"}.get(name, name) for name in CANDIDATE_NAMES},
+    "collective": {
+        name: {"fp16": "ring-fp16", "bf16": "ring-bf16", "int8": "ring-int8", "fp8": "ring-fp8"}.get(name, name)
+        for name in CANDIDATE_NAMES
+    },
+    "ddp": {
+        name: {"fp16": "torch-fp16", "bf16": "torch-bf16", "int8": "ring-int8", "fp8": "ring-fp8"}.get(name, name)
+        for name in CANDIDATE_NAMES
+    },
 }
 
 
 def ring_error(world_size: int, precision: str) -> float:
     """The predicted worst-rank relative error of a ring whose wire is ``precision``:
-    ``u sqrt((N+1)/2)`` (derived in the module doc)."""
+    ``u sqrt((N+1)/2)`` (derived in the module doc); the 8-bit wires' by
+    :func:`cerar.coding.blocks.ring_error_bound` for their default block format."""
     n = check_int("world_size", world_size, minimum=1)
+    if precision in WIRES_8BIT:
+        return ring_error_bound(n, BlockFormat(precision))
     return UNIT_ROUNDOFF[check_choice("precision", precision, tuple(UNIT_ROUNDOFF))] * math.sqrt((n + 1) / 2)
 
 
@@ -129,6 +141,8 @@ class Candidate:
         ``1 + (N-2)/c`` for CERAR, times the wire's bytes."""
         n, c = self.world_size, self.components
         values = 2.0 * (n - 1) / n if c is None else (c + n - 2) / c
+        if self.wire in WIRES_8BIT:
+            return values * BlockFormat(self.wire).bytes_per_value
         return values * (4.0 if self.wire == "fp32" else 2.0)
 
     @property
@@ -188,7 +202,7 @@ def _candidate(name: str, n: int, limit: float | None, context: str, fast_codes:
     CERAR code that would be the exact one)."""
     wire = "fp32" if name in ("exact", "cerar") else name.removeprefix("cerar-")
     if name in BASELINE_NAMES:
-        transport = "torch" if name == "exact" or context == "ddp" else "cerar"
+        transport = "torch" if name == "exact" or (context == "ddp" and wire not in WIRES_8BIT) else "cerar"
         return Candidate(name, wire, transport, n, predicted_error=ring_error(n, wire), row=ROWS[context][name])
     if n < 3:
         return None  # two ranks: every c sends one value per value and decodes exactly, the ring's

@@ -11,7 +11,7 @@ no upper end)::
 * ``min_bytes`` (inclusive) and ``max_bytes`` (exclusive) in bytes of the bucket's buffer
   (``64K``, ``1M``: powers of 1024);
 * ``algorithm``: ``ring`` (exact or 16-bit rings) or ``cerar``;
-* ``wire``: ``fp32``, ``fp16`` or ``bf16``; ``c``: CERAR's components.
+* ``wire``: ``fp32``, ``fp16``, ``bf16``, ``int8`` or ``fp8``; ``c``: CERAR's components.
 
 A row fixes the knobs it names and leaves the others to the decision: the bucket goes by the
 fastest candidate (within the error budget) that matches. The first row whose range holds the
@@ -31,7 +31,7 @@ from cerar.comm.auto.candidates import Candidate
 __all__ = ["PinnedRow", "PinnedTable"]
 
 ALGORITHMS = ("ring", "cerar")
-WIRES = ("fp32", "fp16", "bf16")
+WIRES = ("fp32", "fp16", "bf16", "int8", "fp8")
 
 
 @dataclass(frozen=True)

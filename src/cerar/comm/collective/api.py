@@ -38,7 +38,7 @@ import torch.distributed as dist
 from cerar._checks import check_float
 from cerar.coding.code import MAX_ERROR, Code
 from cerar.comm.collective.call import NonFiniteError
-from cerar.comm.collective.checks import check_packet_dtype
+from cerar.comm.collective.checks import check_wire_dtype
 from cerar.comm.collective.codes import default_code, resolve_code
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.routes import ROUTES, Route, get_route, route_for, start
@@ -169,6 +169,7 @@ def ring_all_reduce(
     *,
     wire_dtype: torch.dtype | None = None,
     stats: CommStats | None = None,
+    nonfinite: str = "raise",
 ) -> Work | None:
     """Exact ring all-reduce (reduce-scatter + all-gather) on cerar's transport, in place.
 
@@ -178,9 +179,21 @@ def ring_all_reduce(
     float16 overflow is avoided by scaling: all ranks agree on the largest magnitude ``M`` and
     divide by a power of two so that ``N * M`` maps to about ``2**14`` (which also keeps small
     gradients out of float16's subnormal range), then multiply back; the scaling is exact.
+
+    With ``wire_dtype=torch.int8`` (or ``torch.float8_e4m3fn``) the chunks travel block-quantized
+    (:mod:`cerar.coding.blocks`: one scale per block of values, symmetric absmax, round to
+    nearest; about 1.03 bytes per value), dequantized and added in float32 and requantized at
+    every hop; the owner of a chunk keeps the values it sends, so every rank ends with bitwise
+    the same result. ``nonfinite`` applies to these wires, as CERAR's: ``"raise"`` raises
+    :class:`NonFiniteError` on every rank before any data moves, ``"exact"`` runs the float32
+    ring instead, ``"ignore"`` lets a NaN or Inf make its block NaN. The other wires leave
+    non-finite values where they are, as torch's all-reduce does.
     """
-    wire_dtype = check_packet_dtype(wire_dtype, "wire_dtype")
-    return start(route_for("ring", wire_dtype), tensor, op, group, async_op, stats=stats, packet_dtype=_own(wire_dtype))
+    wire_dtype = check_wire_dtype(wire_dtype)
+    route = route_for("ring", wire_dtype)
+    return start(
+        route, tensor, op, group, async_op, stats=stats, packet_dtype=_own(wire_dtype), nonfinite=nonfinite
+    )
 
 
 def hierarchical_all_reduce(

@@ -17,7 +17,8 @@ from cerar._checks import check_bool, check_choice
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.ring.stats import CommStats
 
-__all__ = ["check_bool", "check_op", "check_stats", "check_tensor", "overlaps_itself"]  # check_bool: from cerar._checks
+# check_bool: from cerar._checks
+__all__ = ["check_bool", "check_op", "check_stats", "check_tensor", "check_wire_dtype", "overlaps_itself"]
 
 
 def check_tensor(tensor: Any) -> None:
@@ -88,6 +89,19 @@ def check_stats(stats: Any) -> None:
 
 
 PACKET_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
+#: A ring's wires: CERAR's packets, and the 8-bit block-quantized ones (:mod:`cerar.coding.blocks`).
+WIRE_DTYPES = (*PACKET_DTYPES, torch.int8, torch.float8_e4m3fn)
+
+
+def check_wire_dtype(wire_dtype: Any, name: str = "wire_dtype") -> torch.dtype | None:
+    """A ring's ``wire_dtype`` checked: None, float32, float64, float16, bfloat16, int8 or
+    float8_e4m3fn."""
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(
+            f"Argument {name!r} must be None, torch.float32, torch.float64, torch.float16, torch.bfloat16, "
+            f"torch.int8 or torch.float8_e4m3fn, not {wire_dtype!r}."
+        )
+    return wire_dtype
 
 
 def check_packet_dtype(packet_dtype: Any, name: str = "packet_dtype") -> torch.dtype | None:

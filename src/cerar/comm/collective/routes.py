@@ -17,6 +17,8 @@ row             one call                                               identical
 ``ring``        cerar's ring on its transport, the data's own dtype    yes, exact ``2(N-1)/N``
 ``ring-fp16``   the ring sending float16 (power-of-two scaled),        yes        ``2(N-1)/N``, 2 bytes
                 float32 sums (``ring-bf16``: bfloat16)
+``ring-int8``   the ring sending int8 in blocks with one scale each,    yes        ``2(N-1)/N``, 1 byte +
+                requantized at every hop (``ring-fp8``: float8 e4m3)              the block's scale
 ``cerar``       CERAR, float32 (float64) packets                       no         ``1 + (N-2)/c``
 ``cerar-fp16``  CERAR, float16 packets (``cerar-bf16``: bfloat16)      no         ``1 + (N-2)/c``, 2 bytes
 ``hier-ring``   exact inside each node, the ring between the M nodes   yes, exact ``2(M-1)/M`` between
@@ -27,7 +29,8 @@ row             one call                                               identical
 "identical": every rank ends with bitwise the same values; "exact": and they are the sum up to
 float32 rounding. The predicted errors: a ring whose wire rounds to within ``u`` of each value
 sent (a partial sum of ``k`` of the ``N`` inputs at hop ``k``, and the whole sum once more for the
-all-gather) errs by at most ``u sqrt((N+1)/2)`` relative, for i.i.d. inputs; CERAR by its code's
+all-gather) errs by at most ``u sqrt((N+1)/2)`` relative, for i.i.d. inputs; the 8-bit rings by
+:func:`cerar.coding.blocks.ring_error_bound`; CERAR by its code's
 :meth:`cerar.Code.predicted_worst_error` at the packet precision. No row's start imports above
 this layer.
 """
@@ -44,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from cerar._checks import check_bool, check_choice, check_int
+from cerar.coding.blocks import BlockFormat, ring_error_bound
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 from cerar.comm.collective.call import agree_call, cerar_call, ring_call
@@ -51,6 +55,7 @@ from cerar.comm.collective.checks import check_op, check_packet_dtype, check_sta
 from cerar.comm.collective.codes import check_usable, default_code, working_dtype
 from cerar.comm.collective.hierarchical import hierarchical_call, prepare_nodes
 from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.collective.quant_call import quant_ring_call
 from cerar.comm.ring.exact import exact_all_reduce
 from cerar.comm.ring.groups import ring_of
 from cerar.comm.ring.stats import CommStats
@@ -59,9 +64,13 @@ from cerar.comm.ring.work import Work, forward
 
 __all__ = ["ROUTES", "Request", "Route", "get_route", "register_route", "route_for", "start"]
 
-#: Bytes per value of each wire precision.
+#: The 8-bit rings' block formats (:mod:`cerar.coding.blocks`: the defaults chosen by measurement).
+BLOCK_FORMATS = {"int8": BlockFormat("int8"), "fp8": BlockFormat("fp8")}
+#: Bytes per value of each wire precision (the 8-bit ones with their blocks' scales).
 WIRE_BYTES = {"fp64": 8.0, "fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_BYTES.update({wire: fmt.bytes_per_value for wire, fmt in BLOCK_FORMATS.items()})
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_WIRE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,7 @@ class Route:
     hierarchical: bool = False
     transport: str = "cerar"
     description: str = ""
+    error: Callable[[int], float] | None = None  # a row's own prediction (the 8-bit rings')
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -147,6 +157,8 @@ class Route:
         """The predicted worst-rank relative error for i.i.d. inputs (see the module doc):
         CERAR's code's (the default code's for ``world_size`` if none), a ring's
         ``u sqrt((N+1)/2)``."""
+        if self.error is not None:
+            return self.error(world_size)
         precision = self.precision()
         if self.coded and world_size > 2:
             code = code if code is not None else default_code(world_size, precision)
@@ -175,7 +187,7 @@ def route_for(method: str, packet_dtype: torch.dtype | None = None) -> Route:
     """The row of a family and a packet or wire dtype: ``("cerar", torch.float16)`` is
     ``cerar-fp16``; where no row fixes that wire (float32, float64, None; ``hier-cerar`` with
     16-bit packets), the family's own row, which takes the dtype as its ``packet_dtype``."""
-    wire = precision_name(packet_dtype) if packet_dtype is not None else None
+    wire = _WIRE_NAMES.get(packet_dtype) or (precision_name(packet_dtype) if packet_dtype is not None else None)
     row = ROUTES.get(f"{method}-{wire}")
     return row if row is not None else get_route(method)  # a family row takes the dtype as an argument
 
@@ -250,6 +262,15 @@ def _start_ring(route: Route, r: Request) -> Work | None:
     if ring is None:
         return None
     job = functools.partial(ring_call, r.tensor.detach(), r.op, ring, _packet(route, r), r.stats, r.context)
+    return COMM.submit(job, r.tensor, r.async_op)
+
+
+def _start_quantized(route: Route, r: Request) -> Work | None:
+    ring = ring_of(r.group)
+    if ring is None:
+        return None
+    fmt = BLOCK_FORMATS[route.wire or ""]
+    job = functools.partial(quant_ring_call, r.tensor.detach(), r.op, ring, fmt, r.nonfinite, r.stats, r.context)
     return COMM.submit(job, r.tensor, r.async_op)
 
 
@@ -330,6 +351,14 @@ for _route in (
           description="the ring sending float16 (power-of-two scaled), accumulating in float32"),
     Route("ring-bf16", "ring", "bf16", _start_ring,
           description="the ring sending bfloat16, accumulating in float32"),
+    Route("ring-int8", "ring", "int8", _start_quantized,
+          error=functools.partial(ring_error_bound, fmt=BLOCK_FORMATS["int8"]),
+          description=f"the ring sending int8 in blocks ({BLOCK_FORMATS['int8'].describe()}), float32 partial sums, "
+          "requantized at every hop, every rank the owner's values"),
+    Route("ring-fp8", "ring", "fp8", _start_quantized,
+          error=functools.partial(ring_error_bound, fmt=BLOCK_FORMATS["fp8"]),
+          description=f"the ring sending float8 e4m3 in blocks ({BLOCK_FORMATS['fp8'].describe()}), float32 partial "
+          "sums, requantized at every hop"),
     Route("cerar", "cerar", None, _start_cerar, _cerar_values, coded=True, identical=False,
           description="CERAR with float32 packets (float64 for float64 tensors), decoded in float64"),
     Route("cerar-fp16", "cerar", "fp16", _start_cerar, _cerar_values, coded=True, identical=False,

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import cerar.comm.auto.collective  # noqa: F401 (registers the auto row)
 from cerar._checks import check_choice, check_int
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
-from cerar.comm.collective.checks import check_packet_dtype
+from cerar.comm.collective.checks import check_packet_dtype, check_wire_dtype
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.routes import Route, route_for, start
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
@@ -73,7 +73,7 @@ class GroupSettings:
             raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(self.code).__name__}.")
         if self.code is not None and self.method not in ("cerar", "hier-cerar"):
             raise ValueError(f"Argument 'code' applies to method 'cerar' only, not to {self.method!r}.")
-        check_packet_dtype(self.packet_dtype)
+        (check_wire_dtype if self.method in ("ring", "hier-ring") else check_packet_dtype)(self.packet_dtype)
         check_max_error(self.max_error)
         check_int("min_bytes", self.min_bytes, minimum=0)
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
@@ -217,6 +217,8 @@ class CerarProcessGroup(dist.ProcessGroup):
             options["ranks_per_node"] = s.ranks_per_node
         if route.method in ("ring", "hier-ring"):
             options = {"ranks_per_node": s.ranks_per_node} if route.hierarchical else {}
+            if route.wire in ("int8", "fp8"):
+                options["nonfinite"] = s.nonfinite
             if route.wire is None:
                 options["packet_dtype"] = s.packet_dtype if s.packet_dtype in (torch.float32, torch.float64) else None
         works = [start(route, t, op, self.transport, True, **options) for t in tensors]

@@ -7,12 +7,15 @@ method          average of ``x`` (in place)                                   by
 ``fp16``        ``x`` cast to float16, ``/= N``, ``dist.all_reduce``, cast    computed
 ``bf16``        back (as torch's ``fp16_compress_hook`` does a bucket)
 ``ring``        :func:`cerar.ring_all_reduce` ``(x, "avg")``                  measured
+``int8``        the same with ``wire_dtype=torch.int8`` (``fp8``: float8      measured
+                e4m3), the 8-bit ring, the config's ``nonfinite`` policy
 ``cerar``       :func:`cerar.all_reduce` ``(x, "avg")`` with the hook's code  measured
                 (``perturbed(N, c)``, 16-bit packets: ``optimized(N, c)``)
                 and the config's ``nonfinite`` policy
 ==============  ============================================================  ========
 
-``allreduce``, ``fp16``, ``bf16`` and ``ring`` leave every rank with the same values; CERAR's
+Each runs its row of the route table (:data:`cerar.experiments.train.installed.ROWS`). Every
+method but ``cerar`` leaves every rank with the same values; CERAR's
 ranks decode slightly different ones (within the code's error of the mean). Computed bytes use
 the ring formula of :func:`cerar.experiments.train.methods.ring_bytes`; measured ones are
 :class:`cerar.comm.ring.stats.CommStats`'. Calls come from the training loop's thread after the
@@ -21,11 +24,13 @@ optimizer step, with no DDP bucket in flight, so they run on the default group.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from cerar.comm.ring.stats import CommStats
-from cerar.experiments.train.installed import HookSettings, cerar_code, ring_bytes
+from cerar.experiments.train.installed import ROWS, HookSettings, cerar_code, ring_bytes
 
 __all__ = ["FlatAverager"]
 
@@ -57,7 +62,7 @@ class FlatAverager:
         self.method = config.method
         self.world_size = world_size
         self.identical = self.method != "cerar"
-        self.measured = self.method in ("ring", "cerar")
+        self.measured = self.method in ("ring", "int8", "fp8", "cerar")
         self.stats = CommStats()
         self.bytes_computed = 0
         self.calls = 0
@@ -77,6 +82,8 @@ class FlatAverager:
                 "fp16": "dist.all_reduce in float16",
                 "bf16": "dist.all_reduce in bfloat16",
                 "ring": "cerar.ring_all_reduce (exact ring, cerar transport)",
+                "int8": "cerar.ring_all_reduce, int8 blocks (the 8-bit ring)",
+                "fp8": "cerar.ring_all_reduce, float8 e4m3 blocks (the 8-bit ring)",
             }[self.method]
 
     @property
@@ -88,25 +95,19 @@ class FlatAverager:
         """Replace ``flat`` (1-D float32, the same size on every rank) by its mean over the ranks.
 
         A collective: every rank calls it with the same size."""
-        from cerar.comm.collective.api import all_reduce, ring_all_reduce
+        from cerar.comm.collective.routes import route_for, start
 
         self.calls += 1
         n = self.world_size
-        if self.method == "allreduce":
-            flat.div_(n)
-            dist.all_reduce(flat)
-            self.bytes_computed += ring_bytes(n, flat.numel(), flat.element_size())
-        elif self.method in _CASTS:
-            wire = flat.to(_CASTS[self.method]).div_(n)
-            dist.all_reduce(wire)
-            flat.copy_(wire)
-            self.bytes_computed += ring_bytes(n, wire.numel(), wire.element_size())
-        elif self.method == "ring":
-            ring_all_reduce(flat, "avg", stats=self.stats)
-        else:
-            all_reduce(
-                flat, "avg", code=self.code, nonfinite=self.nonfinite, packet_dtype=self.packet_dtype, stats=self.stats
-            )
+        route = route_for(ROWS[self.method], self.packet_dtype)
+        options: dict[str, Any] = {} if route.transport == "torch" else {"stats": self.stats}
+        if route.coded:
+            options.update(code=self.code, nonfinite=self.nonfinite, packet_dtype=None)
+        elif route.wire in ("int8", "fp8"):
+            options["nonfinite"] = self.nonfinite
+        start(route, flat, "avg", **options)
+        if route.transport == "torch":  # Gloo's collectives: the ring formula's bytes
+            self.bytes_computed += ring_bytes(n, flat.numel(), 4 if route.wire == "fp32" else 2)
 
     def all_finite(self, flat: torch.Tensor) -> bool:
         """Whether ``flat`` is finite on every rank: one exact all-reduce of a flag, so every rank

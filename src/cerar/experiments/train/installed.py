@@ -12,7 +12,15 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["COUNTERS", "Build", "Count", "HookSettings", "InstalledHook", "cerar_code", "ring_bytes"]
+__all__ = ["COUNTERS", "ROWS", "Build", "Count", "HookSettings", "InstalledHook", "cerar_code", "ring_bytes"]
+
+#: The route table's row (:mod:`cerar.comm.collective.routes`) each training method's all-reduce
+#: runs, where one does (``cerar`` with 16-bit packets: ``cerar-fp16``...; PowerSGD and auto
+#: have their own hooks): the DDP hooks, the schedules' averages and the process groups.
+ROWS = {
+    "allreduce": "exact", "fp16": "torch-fp16", "bf16": "torch-bf16", "ring": "ring", "int8": "ring-int8",
+    "fp8": "ring-fp8", "cerar": "cerar",
+}  # fmt: skip
 
 #: What :meth:`InstalledHook.counters` returns, in order.
 COUNTERS = (

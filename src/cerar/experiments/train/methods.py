@@ -13,6 +13,7 @@ method         hook                                                        bytes
                :data:`POWERSGD_START` steps; one bucket at a time on
                one thread (see :class:`_SerialHook`)
 ``ring``       :func:`cerar.comm.ddp.hooks.ring_hook` (exact ring, cerar transport)    measured
+``int8``       the 8-bit ring (int8 blocks, row ``ring-int8``; ``fp8``: float8 e4m3)  measured
 ``cerar``      :func:`cerar.comm.ddp.hooks.cerar_hook` with ``perturbed(N, c)``        measured
                (``cerar:c:fp16``/``:bf16``: 16-bit packets, ``optimized(N, c)``
                designed for that precision)
@@ -71,7 +72,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cerar.experiments.train.installed import Build, Count, HookSettings, InstalledHook, cerar_code, ring_bytes
+from cerar.experiments.train.installed import ROWS, Build, Count, HookSettings, InstalledHook, cerar_code, ring_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -126,10 +127,11 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     precision of 16-bit ones) or ``ring`` (the exact ring on the same transport)."""
     import torch
 
-    from cerar.comm.collective.routes import route_for
+    from cerar.comm.collective.routes import get_route
     from cerar.comm.ddp.hooks import CerarState, route_hook
 
     coded = config.method == "cerar"
+    route = get_route(ROWS[config.method])
     components = config.components if config.components is not None else 2 * world_size
     precision = config.packet or "fp32"
     code = cerar_code(world_size, components, precision) if coded else None
@@ -152,8 +154,11 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
             "packet": precision,
             "predicted_worst_error": state.code.predicted_worst_error(precision),
         }
-    else:
+    elif config.method == "ring":
         installed = InstalledHook("ring", True, "ring_hook (exact ring, cerar transport)", state=state)
+    else:  # the 8-bit rings
+        installed = InstalledHook(config.method, True, f"{route.name} hook: {route.description}", state=state)
+        installed.extra = {"wire": route.wire, "predicted_worst_error": route.error_bound(world_size)}
 
     def count(bucket: dist.GradBucket) -> None:
         buffer = bucket.buffer()
@@ -163,7 +168,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
         else:
             installed.collectives += 1  # the ring (its handshake rides on the same point-to-point links)
 
-    return installed, route_hook(route_for(config.method).name), state, count
+    return installed, route_hook(route.name), state, count
 
 
 def _build_auto(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
@@ -302,6 +307,8 @@ HOOKS: dict[str, Hook] = {
     for hook in (
         Hook("allreduce", "allreduce", _builtin("allreduce_hook", 4, "allreduce_hook (= DDP's default)")),
         Hook("ring", "ring", _build_cerar_or_ring),
+        Hook("int8", "int8", _build_cerar_or_ring),
+        Hook("fp8", "fp8", _build_cerar_or_ring),
         Hook("cerar", "cerar[:c|:kN][:fp16|:bf16]", _build_cerar_or_ring, parameter="components", per_rank=True),
         Hook("auto", "auto[:max_error]", _build_auto, parameter="max_error"),
         Hook("hier-ring", "hier-ring", _build_hierarchical, hierarchical=True),
