@@ -387,7 +387,7 @@ def _bad_argument_worker(rank: int, world: int) -> list[str]:
         ("code", lambda: cerar.all_reduce(torch.ones(3), code="perturbed")),
         ("code", lambda: cerar.all_reduce(torch.ones(3), code=codes.perturbed(3, 6))),
         ("stats", lambda: cerar.all_reduce(torch.ones(3), stats={})),
-        ("wire_dtype", lambda: cerar.ring_all_reduce(torch.ones(3), wire_dtype=torch.int8)),
+        ("wire_dtype", lambda: cerar.ring_all_reduce(torch.ones(3), wire_dtype=torch.uint8)),
         ("op", lambda: cerar.ring_all_reduce(torch.ones(3), op=dist.ReduceOp.MAX)),
     ]
     problems = []

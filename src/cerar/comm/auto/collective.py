@@ -111,7 +111,8 @@ def _start_auto(route: Route, r: Request, config: AutoConfig | None = None) -> W
     # Everything that decides the call, agreed in the candidate's own handshake (the exact one's
     # is a handshake alone): a rank that differs makes every rank raise, naming the setting.
     names = ("size", "dtype", "op", "max_error", "nonfinite", "config")
-    context = {**dict(zip(names, key, strict=True)), "method": "auto", "candidate": candidate.label}
+    context = {**(r.context or {}), **dict(zip(names, key, strict=True))}
+    context.update(method="auto", candidate=candidate.label)
     # 16-bit CERAR after another method's calls takes its packet scale from its data, since the
     # scale its last call left may no longer fit (every rank switches at the same call).
     fresh = run.candidate != stream.last

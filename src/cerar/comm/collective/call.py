@@ -70,9 +70,11 @@ def cerar_call(
     packet_dtype: torch.dtype | None = None,
     fresh_scale: bool = False,
     context: Mapping[str, Any] | None = None,
+    max_error: float | None = None,
 ) -> None:
     """One CERAR call; ``context``: the settings of a layer above (``method="auto"``'s) that every
-    rank must share too, agreed in the same handshake and named first on a mismatch."""
+    rank must share too, agreed in the same handshake and named first on a mismatch;
+    ``max_error``: the caller's limit, which chose the code, agreed likewise."""
     with call_context(tensor, ring, stats) as (flat, call, counter):
         if ring.size == 1:
             return
@@ -81,10 +83,10 @@ def cerar_call(
         # The caller's dtype, not the working copy's: a float16 tensor on one rank and a bfloat16
         # one on another share the float32 copy, but their sum means nothing.
         identity = ("cerar", code.fingerprint, str(tensor.dtype), str(packet), flat.numel(), op, nonfinite)
-        identity += _items(context)
+        identity += (repr(max_error), *_items(context))
         settings = settings_hash(identity)
         scale = PacketScale(ring, code, flat, packet, fresh_scale)
-        summary = _Summary(code, tensor.dtype, packet, flat.numel(), op, nonfinite, context)
+        summary = _Summary(code, tensor.dtype, packet, flat.numel(), op, nonfinite, context, max_error)
         # A layout every rank has completed before has the same scale everywhere: its round 1 leaves
         # beside the handshake's last hops (cerar.comm.ring.handshake). CPU only: on an accelerator
         # the check of the neighbours' headers would wait for the device inside the round loop.
@@ -124,17 +126,17 @@ class _Summary:
 
     def __init__(
         self, code: Code, dtype: torch.dtype, packet: torch.dtype, size: int, op: str, policy: str,
-        context: Mapping[str, Any] | None = None,
+        context: Mapping[str, Any] | None = None, max_error: float | None = None,
     ) -> None:  # fmt: skip
-        self.fields, self.context, self.agreement = (code, dtype, packet, size, op, policy), context, ""
+        self.fields, self.context, self.agreement = (code, dtype, packet, size, op, policy, max_error), context, ""
 
     def __call__(self) -> str | dict[str, Any]:
-        code, dtype, packet, size, op, policy = self.fields
+        code, dtype, packet, size, op, policy, max_error = self.fields
         if self.context is not None:
-            return {**self.context, "method": code.describe(), "packets": packet}
+            return {**self.context, "method": code.describe(), "packets": packet, "max_error": max_error}
         return (
             f"{code.describe()}, values {dtype}, packets {packet}, size {size}, op {op}, "
-            f"nonfinite={policy!r}{self.agreement}"
+            f"nonfinite={policy!r}, max_error={max_error}{self.agreement}"
         )
 
 

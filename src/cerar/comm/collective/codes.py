@@ -11,7 +11,7 @@ from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name
 
-__all__ = ["check_usable", "default_code", "resolve_code", "working_dtype"]
+__all__ = ["check_usable", "code_within", "default_code", "resolve_code", "working_dtype"]
 
 
 @functools.cache
@@ -52,3 +52,18 @@ def working_dtype(tensor_dtype: torch.dtype) -> torch.dtype:
 def check_usable(code: Code, precision: str, max_error: float | None) -> None:
     """``code.check_error`` once per (code, precision, limit): the prediction costs milliseconds."""
     code.check_error(precision, max_error)
+
+
+@functools.lru_cache(maxsize=256)
+def code_within(world_size: int, precision: str, max_error: float | None) -> Code:
+    """The default code, bound by ``max_error``: :func:`default_code` where its predicted
+    worst-rank error at ``precision`` is within it, else the code with the most components that
+    is (:func:`cerar.coding.codes.choose` with that budget, down to the exact code ``c = N``);
+    where none is (the exact code's own rounding at a 16-bit precision exceeds it), a
+    ValueError naming ``N``, the precision and the figures, as an explicit code is refused."""
+    code = default_code(world_size, precision)
+    if max_error is None or code.predicted_worst_error(precision) <= max_error:
+        return code
+    code = codes.choose(world_size, precision, error_budget=max_error)
+    check_usable(code, precision, max_error)
+    return code

@@ -51,7 +51,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +60,11 @@ import torch.distributed as dist
 
 from cerar._checks import check_int
 from cerar.coding.code import Code
-from cerar.comm.collective.call import NonFiniteError, Working, cerar_call, ring_call
+from cerar.comm.collective.call import NonFiniteError, Working, _items, cerar_call, ring_call
 from cerar.comm.collective.codes import resolve_code
 from cerar.comm.kernels.workspace import WORKSPACE
 from cerar.comm.ring.groups import count_call, group_state, ring_of
-from cerar.comm.ring.handshake import handshake, settings_hash
+from cerar.comm.ring.handshake import Summary, handshake, settings_hash
 from cerar.comm.ring.links import Ring, RingError, group_timeout, post_pair, wait_for
 from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.thread import COMM
@@ -243,8 +243,9 @@ def hierarchical_call(
     nonfinite: str,
     stats: CommStats | None,
     packet_dtype: torch.dtype | None = None,
+    context: Mapping[str, Any] | None = None,
 ) -> None:
-    """One hierarchical call.
+    """One hierarchical call (``context``: a layer above's settings, agreed in its handshake).
 
     1. Count it on the group and run the handshake over the group's ring.
     2. Reduce-scatter inside the node into this local rank's shard.
@@ -266,11 +267,13 @@ def hierarchical_call(
                 code = code if code is not None else resolve_code(m, tensor.dtype, packet_dtype)
             fingerprint = code.fingerprint if code is not None else None
             identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
-            identity += (nonfinite, str(packet_dtype))
-            summary = (
+            identity += (nonfinite, str(packet_dtype), *_items(context))
+            summary: Summary = (
                 f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
                 f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}, packets {packet_dtype}"
             )
+            if context is not None:
+                summary = {**context, "method": f"hier-{method}, {code!r}", "packets": packet_dtype}
             handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device)
             if layout.world_size == 1:
                 return

@@ -52,7 +52,7 @@ from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 from cerar.comm.collective.call import agree_call, cerar_call, ring_call
 from cerar.comm.collective.checks import check_op, check_packet_dtype, check_stats, check_tensor
-from cerar.comm.collective.codes import check_usable, default_code, working_dtype
+from cerar.comm.collective.codes import check_usable, code_within, default_code, working_dtype
 from cerar.comm.collective.hierarchical import hierarchical_call, prepare_nodes
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.quant_call import quant_ring_call
@@ -243,17 +243,22 @@ def _start_cerar(route: Route, r: Request) -> Work | None:
     if ring is None:
         return None
     packet = _packet(route, r)
-    if r.code is not None:
-        if r.code.world_size != ring.size:
+    precision = precision_name(packet or working_dtype(r.tensor.dtype))
+    code = r.code
+    if code is not None:
+        if code.world_size != ring.size:
             raise ValueError(
-                f"Argument 'code' is for world_size={r.code.world_size} but the group has {ring.size} ranks."
+                f"Argument 'code' is for world_size={code.world_size} but the group has {ring.size} ranks."
             )
-        check_usable(r.code, precision_name(packet or working_dtype(r.tensor.dtype)), r.max_error)
+        check_usable(code, precision, r.max_error)
+    elif ring.size > 1:  # the default code, bound by max_error (fewer components, or refused with the figures)
+        code = code_within(ring.size, precision, r.max_error)
     # detach(): the same storage, so the result lands in ``tensor``, without autograd, which
     # refuses in-place writes to a leaf that requires grad (dist.all_reduce also bypasses it).
     job = functools.partial(
-        cerar_call, r.tensor.detach(), r.op, ring, r.code, r.nonfinite, r.stats, packet, r.fresh_scale, r.context
-    )
+        cerar_call, r.tensor.detach(), r.op, ring, code, r.nonfinite, r.stats, packet, r.fresh_scale, r.context,
+        r.max_error,
+    )  # fmt: skip
     return COMM.submit(job, r.tensor, r.async_op)
 
 
@@ -285,8 +290,9 @@ def _start_hierarchical(route: Route, r: Request) -> Work | None:
     family = "cerar" if route.coded else "ring"
     nonfinite = r.nonfinite if route.coded else "ignore"
     job = functools.partial(
-        hierarchical_call, r.tensor.detach(), r.op, nodes, family, r.code, nonfinite, r.stats, _packet(route, r)
-    )
+        hierarchical_call, r.tensor.detach(), r.op, nodes, family, r.code, nonfinite, r.stats, _packet(route, r),
+        r.context,
+    )  # fmt: skip
     return COMM.submit(job, r.tensor, r.async_op)
 
 

@@ -27,6 +27,7 @@ that these never share a communicator with the caller's collectives.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,10 +40,13 @@ import torch.distributed as dist
 import cerar.comm.auto.collective  # noqa: F401 (registers the auto row)
 from cerar._checks import check_choice, check_int
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
+from cerar.comm.collective.call import agree_call
 from cerar.comm.collective.checks import check_packet_dtype, check_wire_dtype
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.routes import Route, route_for, start
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
+from cerar.comm.ring.groups import ring_of
+from cerar.comm.ring.thread import COMM
 from cerar.comm.ring.work import Work, chain
 
 __all__ = ["METHODS", "CerarProcessGroup", "GroupSettings", "RouteStats", "exact"]
@@ -172,13 +176,16 @@ class CerarProcessGroup(dist.ProcessGroup):
         return f"CerarProcessGroup(name={self._name!r}, rank={self.rank()}, size={self.size()}, {self.settings})"
 
     # -- all-reduce: coded or handed over
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        opts = dist.AllreduceOptions() if opts is None else opts
-        return self._allreduce(tensors, opts.reduceOp, lambda: self.exact.allreduce(tensors, opts))
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        """``allreduce(tensors, opts)``, and torch's other overloads: ``allreduce(tensors, op)``,
+        ``allreduce(tensor, op)``."""
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        opts = _options(dist.AllreduceOptions, opts)
+        return self._allreduce(tensors, opts.reduceOp, lambda ts: self.exact.allreduce(ts, opts))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        opts = dist.AllreduceCoalescedOptions() if opts is None else opts
-        return self._allreduce(tensors, opts.reduceOp, lambda: self.exact.allreduce_coalesced(tensors, opts))
+        opts = _options(dist.AllreduceCoalescedOptions, opts)
+        return self._allreduce(tensors, opts.reduceOp, lambda ts: self.exact.allreduce_coalesced(ts, opts))
 
     def codes(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
         """Whether an all-reduce of ``tensors`` with ``op`` goes by the group's method."""
@@ -191,38 +198,89 @@ class CerarProcessGroup(dist.ProcessGroup):
             for t in tensors
         )
 
-    def _allreduce(self, tensors: list[torch.Tensor], op: Any, handed: Callable[[], dist.Work]) -> dist.Work:
+    def _allreduce(
+        self, tensors: list[torch.Tensor], op: Any, handed: Callable[[list[torch.Tensor]], dist.Work]
+    ) -> dist.Work:
         name, nbytes, started = _op_name(op), sum(t.numel() * t.element_size() for t in tensors), time.perf_counter()
         coded = self.codes(tensors, op)
         route = "cerar" if coded else "exact"
-        future = self._coded(tensors, name).future if coded else handed().get_future()
+        # Gloo sums a strided view wrongly and writes outside it: the exact group gets a contiguous
+        # copy, written back (the coded route works on any layout itself).
+        copies = tensors if coded else [_contiguous(t) for t in tensors]
+        settings = self._deciding(tensors, op, coded)
+        if coded:
+            future = self._coded(tensors, name, settings).future
+        else:
+            if settings is not None:  # agreed first: a rank that would code it raises, as this one does
+                ring = ring_of(self.transport)
+                assert ring is not None
+                agree = functools.partial(agree_call, ring, settings, tensors[0].device, None)
+                COMM.submit(agree, tensors[0], False)
+            future = handed(copies).get_future()
 
         def timed(done: torch.futures.Future[Any]) -> Any:
             try:
-                return done.wait()  # re-raises the call's error with its own type
+                done.wait()  # re-raises the call's error with its own type
+                for tensor, copy in zip(tensors, copies, strict=True):
+                    if copy is not tensor:
+                        tensor.copy_(copy)
+                return tensors
             finally:
                 self.stats.add(route, name, nbytes, time.perf_counter() - started)
 
         devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
         return Work(chain(future, timed, devices))
 
-    def _coded(self, tensors: list[torch.Tensor], op: str) -> Work:
-        """Each tensor by the group's row of the route table, asynchronously, in place."""
+    def _deciding(self, tensors: list[torch.Tensor], op: Any, coded: bool) -> dict[str, Any] | None:
+        """The settings that decide how this all-reduce goes, which every rank must share (agreed
+        in the call's handshake, the first that differs named on every rank); None where none
+        does (not a float SUM or AVG of dense tensors: the exact group's on every rank)."""
+        dense = all(t.layout == torch.strided and t.is_floating_point() for t in tensors)
+        if not tensors or not dense or _op_name(op) not in ("sum", "avg"):
+            return None
+        s, held = self.settings, getattr(_EXACT, "groups", ())
+        return {
+            "cerar.exact()": None in held or self in held, "min_bytes": s.min_bytes, "group method": s.method,
+            "packet_dtype": str(s.packet_dtype), "code": None if s.code is None else s.code.fingerprint,
+            "max_error": s.max_error, "nonfinite": s.nonfinite, "ranks_per_node": s.ranks_per_node,
+            "route": "coded" if coded else "exact",
+        }  # fmt: skip
+
+    def _coded(self, tensors: list[torch.Tensor], op: str, settings: dict[str, Any] | None = None) -> Work:
+        """Each tensor by the group's row of the route table, asynchronously, in place, its
+        ``settings`` agreed in its handshake."""
         s = self.settings
         route = s.route
-        options: dict[str, Any] = {"nonfinite": s.nonfinite, "max_error": s.max_error}
+        options: dict[str, Any] = {"nonfinite": s.nonfinite, "max_error": s.max_error, "context": settings}
         if route.coded:
             options.update(code=s.code, packet_dtype=None if route.wire else s.packet_dtype)
         if route.hierarchical:
             options["ranks_per_node"] = s.ranks_per_node
         if route.method in ("ring", "hier-ring"):
             options = {"ranks_per_node": s.ranks_per_node} if route.hierarchical else {}
+            options["context"] = settings
             if route.wire in ("int8", "fp8"):
                 options["nonfinite"] = s.nonfinite
             if route.wire is None:
                 options["packet_dtype"] = s.packet_dtype if s.packet_dtype in (torch.float32, torch.float64) else None
         works = [start(route, t, op, self.transport, True, **options) for t in tensors]
         return Work.gather([w for w in works if w is not None], tensors)
+
+
+def _options(kind: Any, opts: Any) -> Any:
+    """An options object of ``kind`` from torch's overloads' ``opts``: None, the options, or a
+    ``ReduceOp`` (``RedOpType``)."""
+    if opts is None:
+        return kind()
+    if isinstance(opts, (dist.ReduceOp, _RED)):
+        made = kind()
+        made.reduceOp = opts if isinstance(opts, dist.ReduceOp) else dist.ReduceOp(opts)
+        return made
+    return opts
+
+
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.layout != torch.strided or tensor.is_contiguous() else tensor.contiguous()
 
 
 def _op_name(op: Any) -> str:
