@@ -202,7 +202,7 @@ def test_invalid_inputs(inputs, error: type[Exception], name: str, value: str) -
 @pytest.mark.parametrize(
     ("kwargs", "error", "name", "value"),
     [
-        ({"packet_dtype": "fp8"}, ValueError, "packet_dtype", "'fp8'"),
+        ({"packet_dtype": "fp4"}, ValueError, "packet_dtype", "'fp4'"),
         ({"packet_dtype": None}, ValueError, "packet_dtype", "None"),
         ({"packet_dtype": np.int32}, ValueError, "packet_dtype", "int32"),
         ({"packet_dtype": torch.int64}, ValueError, "packet_dtype", "torch.int64"),
@@ -298,3 +298,25 @@ def test_fp16_and_fp32_rounders_match_torch() -> None:
             theirs = torch.from_numpy(data).to(dtype).to(torch.float64).numpy()
             np.testing.assert_array_equal(ours.astype(np.float64), theirs)
     np.testing.assert_array_equal(rounder("fp64")(y), y)
+
+
+@pytest.mark.parametrize("wire", ["int8", "fp8"])
+def test_simulate_with_8bit_packets(wire: str) -> None:
+    from cerar.coding.blocks import BlockFormat
+
+    code = codes.perturbed(4, 8, 0.05, max_error=None)
+    x = np.random.default_rng(3).standard_normal((4, 8 * 512))
+    fmt = BlockFormat(wire, 32, "bf16")
+    result = simulate(code, x, wire, block_format=fmt)
+    exact_arithmetic = simulate(code, x, "fp64").worst_relative_error
+    # The packets' rounding adds error to the code's own, and stays below the 8-bit wire's scale.
+    assert exact_arithmetic < result.worst_relative_error < 1.0
+    assert result.values_sent.tolist() == [(8 + 4 - 2) * 512] * 4
+    # The default block format is BlockFormat()'s, with the wire asked for.
+    default = simulate(code, x, wire)
+    same = simulate(code, x, wire, block_format=BlockFormat("int8" if wire == "fp8" else "fp8"))
+    assert np.array_equal(default.outputs, same.outputs)
+    with pytest.raises(ValueError, match="'block_format'"):
+        simulate(code, x, "fp16", block_format=fmt)
+    with pytest.raises(TypeError, match="'block_format'"):
+        simulate(code, x, wire, block_format=wire)

@@ -27,6 +27,16 @@ local gradient at ``--capture-steps`` (default start, middle, end), and writes
   when transformers is installed, else the per-parameter figures are left out.
 
 With ``--quick`` it trains a tiny model for 10 steps: a smoke test.
+
+``--frontier`` draws bytes per value against worst-rank error (:mod:`cerar.experiments.study.frontier`)
+for ``--world-sizes`` (default 4, 8, 16) on i.i.d. Gaussian inputs of ``--values`` values per rank
+(default 65536, median of 3 seeds): the float32/float16/bfloat16 rings, the int8 and e4m3 rings at
+each block size, CERAR at ``c = N+1, 3N/2, 2N, 3N`` with float32/float16/bfloat16 packets and over
+8-bit packets, the Pareto frontier marked, and CERAR's ``wrap``, ``A`` and ``K`` table; it writes
+``frontier.json`` and ``frontier.png`` (a few minutes on two cores; ``--quick``: N = 4, seconds).
+``--blocks`` writes ``blocks.json``, the 8-bit ring's block-size table (every block size 32-1024
+and scale dtype at ``N = 4``, blocks 32, 64 and 256 at ``N = 8, 16``; three inputs; ``--values``
+default 1048576, 3 seeds; ``--quick``: seconds).
 """
 
 from __future__ import annotations
@@ -69,6 +79,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="steps in [0, steps] to capture (default: 0, steps // 2, steps)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     g.add_argument("--capture", type=Path, default=None, help="reuse this saved capture (.npz): no training")
+    f = p.add_argument_group("8-bit wires (--frontier, --blocks)")
+    f.add_argument("--frontier", action="store_true", help="bytes per value against error: rings and CERAR")
+    f.add_argument("--blocks", action="store_true", help="the 8-bit ring's block-size table (blocks.json)")
+    f.add_argument("--values", type=int, default=None,
+                   help="values per rank (default 65536 for --frontier, 1048576 for --blocks)")
+    f.add_argument("--seeds", type=int, default=3, help="seeds per measurement, median taken (default 3)")
     resources.add_override_flag(p)
 
 
@@ -82,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     check_int("seed", args.seed, minimum=0)  # numpy's own refusal names no argument
     # Before the work: the figures come last, a missing extra should not cost the study's time.
     require("matplotlib", "bench", needed_by="cerar study")
+    if getattr(args, "frontier", False) or getattr(args, "blocks", False):
+        return _run_frontier(args)
     if getattr(args, "gradients", False):
         if args.capture is None:  # training the model to capture its gradients
             require("transformers", "train", needed_by="cerar study --gradients")
@@ -113,6 +131,53 @@ def run(args: argparse.Namespace) -> int:
             )
     elapsed = time.perf_counter() - started
     print(f"wrote {out}/slopes.{{png,json}} and {out}/tradeoff.{{png,json}} in {elapsed:.0f} s")
+    return 0
+
+
+#: Working memory (bytes) of the frontier per value per rank and rank (inputs of 3 seeds in float32,
+#: a simulation's float64 copies; measured about 200), rounded up.
+FRONTIER_BYTES_PER_VALUE = 256
+
+
+def _run_frontier(args: argparse.Namespace) -> int:
+    """``--frontier`` and/or ``--blocks``: the 8-bit wires' measurements, JSON (+ PNG)."""
+    from cerar.experiments.study import frontier
+
+    seeds = 1 if args.quick else check_int("seeds", args.seeds, minimum=1)
+    world_sizes = [4] if args.quick else list(args.world_sizes)
+    for n in world_sizes:
+        if not isinstance(n, int) or n < 3 or n > 21:  # optimized stops at c = 64 = 3N
+            raise ValueError(f"Argument 'world_sizes' must hold integers from 3 to 21, not {n!r}.")
+    out = output_folder("out", args.out)
+    started = time.perf_counter()
+    if args.blocks:
+        values = check_int("values", args.values or (4096 if args.quick else 1 << 20), minimum=64)
+        resources.check_memory("values", values, FRONTIER_BYTES_PER_VALUE * 16 * values,
+                               f"8-bit rings of N = 16 at {values} values", allow=args.allow_oversubscribe)
+        rows = frontier.block_table((4,), size=values, seeds=seeds)
+        if not args.quick:
+            rows += frontier.block_table((8, 16), (32, 64, 256), ("fp32", "bf16"), size=values, seeds=seeds)
+        _write(out / "blocks.json", {"rows": rows, "values": values, "seeds": seeds})
+        for r in rows:
+            errors = " ".join(f"{k} {v:.2e}" for k, v in r["errors"].items())
+            print(f"N={r['world_size']:>2} {r['wire']} B={r['block']:>4} {r['scale']}: "
+                  f"{r['bytes_per_value']:.4f} B/value, {errors} (bound {r['bound']:.2e})")  # fmt: skip
+    if args.frontier:
+        values = check_int("values", args.values or (4096 if args.quick else 1 << 16), minimum=64)
+        n = max(world_sizes)
+        resources.check_memory("values", values, FRONTIER_BYTES_PER_VALUE * n * values,
+                               f"simulations of N = {n} at {values} values", allow=args.allow_oversubscribe)
+        blocks = (32, 256) if args.quick else frontier.BLOCKS
+        result = frontier.frontier_study(world_sizes, size=values, seeds=seeds, blocks=blocks)
+        _write(out / "frontier.json", result)
+        frontier.plot_frontier(result, out / "frontier.png")
+        for p in sorted(result["points"], key=lambda p: (p["world_size"], p["bytes_per_value"])):
+            if p["on_frontier"] or p["kind"] == "cerar8":
+                mark = "frontier" if p["on_frontier"] else ""
+                print(f"N={p['world_size']:>2} {p['label']:<28} {p['bytes_per_value']:.3f} B/value, "
+                      f"error {p['error']:.2e} {mark}")  # fmt: skip
+    elapsed = time.perf_counter() - started
+    print(f"wrote {out} in {elapsed:.0f} s")
     return 0
 
 

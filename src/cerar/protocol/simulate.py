@@ -3,7 +3,11 @@
 It executes the same :class:`cerar.protocol.schedule.RankPlan` as the real transport, in the same
 layout (component ``k`` takes every ``c``-th value) and with the same exact power-of-two packet
 scale, with each packet rounded to the packet precision once, as the transport sends it, and
-decodes in float64. It is the yardstick the collective is tested against. Pure numpy.
+decodes in float64. It is the yardstick the collective is tested against. Packets can also travel
+block-quantized in 8 bits (``packet_dtype="int8"`` or ``"fp8"``, :mod:`cerar.coding.blocks`): each
+packet is computed in float64 as before, rounded to float32, quantized per block when sent and
+dequantized on receipt; the block scales set the range, so no power-of-two scale is applied.
+Pure numpy.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from cerar.coding.blocks import WIRES, BlockFormat, round_trip
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name, rounder
 from cerar.coding.scaling import scale_window
@@ -97,22 +102,34 @@ def _as_float64(value: Any, name: str) -> np.ndarray:
     return array.astype(np.float64)
 
 
-def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationResult:
+def simulate(
+    code: Code, inputs: Any, packet_dtype: Any = "fp32", block_format: BlockFormat | None = None
+) -> SimulationResult:
     """Run CERAR on all ``code.world_size`` ranks in one process.
 
     Args:
         code: the :class:`cerar.Code` to run.
         inputs: ``N`` arrays or tensors of one shape, or an ``(N, ...)`` array; any size ``d``.
         packet_dtype: precision of the packets on the wire: ``"fp32"`` (default), ``"fp64"``,
-            ``"fp16"``, ``"bf16"``, or the matching numpy/torch dtype.
+            ``"fp16"``, ``"bf16"``, or the matching numpy/torch dtype; or ``"int8"`` / ``"fp8"``,
+            block-quantized 8-bit packets.
+        block_format: the 8-bit packets' :class:`cerar.coding.blocks.BlockFormat` (its ``wire``
+            is replaced by ``packet_dtype``); default ``BlockFormat()``'s block and scale. Only
+            for the 8-bit packets.
 
     Returns:
         A :class:`SimulationResult` with every rank's sum and the accounting.
     """
     if not isinstance(code, Code):
         raise TypeError(f"Argument 'code' must be a cerar.Code, not {type(code).__name__}.")
-    packet_name = precision_name(packet_dtype, "packet_dtype")
-    packet = rounder(packet_name)
+    eight_bit = isinstance(packet_dtype, str) and packet_dtype in WIRES
+    if eight_bit:
+        packet = _block_packet(packet_dtype, block_format)
+    elif block_format is not None:
+        raise ValueError(f"Argument 'block_format' applies to the 8-bit packets {WIRES} only, not {packet_dtype!r}.")
+    else:
+        packet_name = precision_name(packet_dtype, "packet_dtype")
+        packet = rounder(packet_name)
     n_ranks, c = code.world_size, code.components
     flat = stack_inputs(inputs, n_ranks)
     d = flat.shape[1]
@@ -123,8 +140,10 @@ def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationR
     own = padded.reshape(n_ranks, m, c).transpose(0, 2, 1)
     # The transport's exact power-of-two packet scale at its first call (cerar.coding.scaling).
     schedule = Schedule.for_code(code)
-    window = scale_window(code, "fp64", packet_name, schedule.decode_gain(code))
-    rows_exponent, data_exponent = window.split(window.exponent_for(float(np.max(np.abs(flat), initial=0.0))))
+    rows_exponent = data_exponent = 0  # 8-bit packets: the block scales set the range
+    if not eight_bit:
+        window = scale_window(code, "fp64", packet_name, schedule.decode_gain(code))
+        rows_exponent, data_exponent = window.split(window.exponent_for(float(np.max(np.abs(flat), initial=0.0))))
     scale = math.ldexp(1.0, rows_exponent)
     own = own * math.ldexp(1.0, -data_exponent)  # exact: a power of two
 
@@ -164,3 +183,13 @@ def simulate(code: Code, inputs: Any, packet_dtype: Any = "fp32") -> SimulationR
         peak_working_packets=peak - 2 * c,
         error_bounds=bounds,
     )
+
+
+def _block_packet(wire: str, block_format: BlockFormat | None) -> Any:
+    """The 8-bit packet's rounding: to float32, then quantized per block and dequantized."""
+    if block_format is None:
+        block_format = BlockFormat(wire)
+    elif not isinstance(block_format, BlockFormat):
+        raise TypeError(f"Argument 'block_format' must be a cerar BlockFormat, not {type(block_format).__name__}.")
+    fmt = BlockFormat(wire, block_format.block, block_format.scale)
+    return lambda x: round_trip(np.asarray(x, dtype=np.float32), fmt)

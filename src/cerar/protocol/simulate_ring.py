@@ -11,6 +11,7 @@ rings with CERAR on the same inputs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,16 @@ def _simulate_ring_8bit(
     elif not isinstance(block_format, BlockFormat):
         raise TypeError(f"Argument 'block_format' must be a cerar BlockFormat, not {type(block_format).__name__}.")
     fmt = BlockFormat(wire, block_format.block, block_format.scale)
+    return simulate_ring_rounded(inputs, lambda v: round_trip(v, fmt), world_size)
+
+
+def simulate_ring_rounded(
+    inputs: Any, round_trip_fn: Callable[[np.ndarray], np.ndarray], world_size: int | None = None
+) -> SimulationResult:
+    """The ring of the 8-bit wires with any packet rounding: ``round_trip_fn`` maps the ``(N,
+    chunk)`` float32 packets a step sends (one row per rank) to the float32 values received. The
+    8-bit rings use the block format's round trip; the frontier study also runs narrower
+    (hypothetical) wires through it."""
     count = len(inputs) if world_size is None else check_int("world_size", world_size, minimum=2)
     flat = stack_inputs(inputs, count)
     n, d = flat.shape
@@ -107,11 +118,11 @@ def _simulate_ring_8bit(
     chunks = values.reshape(n, n, chunk)  # [rank, chunk index, values]; blocks start at each chunk
     ranks = np.arange(n)
     for step in range(n - 1):  # reduce-scatter: quantize the partial sum, dequantize, add in float32
-        sent = round_trip(chunks[ranks, (ranks - step) % n], fmt)
+        sent = round_trip_fn(chunks[ranks, (ranks - step) % n])
         chunks[ranks, (ranks - step - 1) % n] += sent[(ranks - 1) % n]
     owned = (ranks + 1) % n
     # The owner keeps what it sends: the all-gather forwards this packet unchanged.
-    chunks[ranks, owned] = round_trip(chunks[ranks, owned], fmt)
+    chunks[ranks, owned] = round_trip_fn(chunks[ranks, owned])
     for step in range(n - 1):  # all-gather
         sent = chunks[ranks, (ranks + 1 - step) % n].copy()
         chunks[ranks, (ranks - step) % n] = sent[(ranks - 1) % n]

@@ -1,0 +1,93 @@
+"""The 8-bit frontier study (cerar.experiments.study.frontier) and `cerar study --frontier --blocks`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cerar.cli import main
+from cerar.experiments.study import frontier
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CERAR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_inputs() -> None:
+    for kind in frontier.INPUTS:
+        x = frontier.inputs(kind, 4, 20000, 0)
+        assert x.shape == (4, 20000) and x.dtype == np.float32
+    layers = frontier.inputs("layers", 2, 50000, 1)
+    spread = np.abs(layers[0]).reshape(-1, 1000).max(axis=1)
+    assert spread.max() / spread.min() > 100  # segments scaled over decades
+    with pytest.raises(ValueError, match="'kind'"):
+        frontier.inputs("uniform", 2, 10, 0)
+
+
+def test_packet_deltas_order() -> None:
+    deltas = {p: frontier.packet_delta(p, size=8192) for p in ("fp32", "fp16", "bf16", "int8", "fp8")}
+    assert deltas["fp32"] == 0.0  # the inputs are float32 already
+    assert 0 < deltas["fp16"] < deltas["bf16"] < deltas["int8"] < deltas["fp8"] < 0.05
+
+
+def test_narrow_round_trip_is_int8_at_8_bits() -> None:
+    from cerar.coding.blocks import BlockFormat, round_trip
+
+    x = np.random.default_rng(0).standard_normal((2, 300)).astype(np.float32)
+    assert np.array_equal(frontier.narrow_round_trip(x, 8), round_trip(x, BlockFormat("int8", 64, "bf16")))
+    assert frontier.narrow_round_trip(np.zeros((1, 5), dtype=np.float32), 4).tolist() == [[0.0] * 5]
+
+
+def test_pareto_marks() -> None:
+    points = [
+        {"kind": "ring", "world_size": 4, "bytes_per_value": 1.0, "error": 1.0},
+        {"kind": "ring", "world_size": 4, "bytes_per_value": 2.0, "error": 0.5},
+        {"kind": "ring", "world_size": 4, "bytes_per_value": 2.0, "error": 0.6},  # dominated
+        {"kind": "cerar", "world_size": 8, "bytes_per_value": 3.0, "error": 2.0},  # another N
+        {"kind": "narrow", "world_size": 4, "bytes_per_value": 0.5, "error": 0.1},  # reference only
+    ]
+    frontier.mark_pareto(points)
+    assert [p["on_frontier"] for p in points] == [True, True, False, True, False]
+    assert [p["dominated_by_narrow"] for p in points] == [True, True, True, False, False]
+
+
+def test_k_table_model_matches_simulation() -> None:
+    rows = frontier.k_table((4,), size=4096, packets=("bf16", "int8"))
+    assert {r["components"] for r in rows} == {5, 8}
+    for r in rows:
+        assert math.isclose(r["K"], r["wrap"] * r["A"])
+        for p in ("bf16", "int8"):
+            # error = sqrt(wrap^2 + (A delta)^2), and never below the floor sqrt(2 K delta)
+            assert 0.75 < r["measured"][p] / r["model"][p] < 1.33, (r["design"], p)
+            assert r["model"][p] >= r["floor"][p] * (1 - 1e-12)
+
+
+def test_study_quick_writes_json_and_png(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    assert main(["study", "--frontier", "--blocks", "--quick", "--out", str(out)]) == 0
+    data = json.loads((out / "frontier.json").read_text())
+    assert {"points", "size", "seeds", "k_table", "cerar_block_format"} <= set(data)
+    assert (out / "frontier.png").stat().st_size > 0
+    kinds = {p["kind"] for p in data["points"]}
+    assert kinds == {"ring", "ring8", "cerar", "cerar8", "narrow"}
+    for p in data["points"]:
+        assert {"label", "world_size", "bytes_per_value", "error", "on_frontier"} <= set(p)
+        assert p["world_size"] == 4
+    assert any(p["on_frontier"] for p in data["points"])
+    ring8 = [p for p in data["points"] if p["kind"] == "ring8"]
+    assert all(p["error"] <= p["bound"] for p in ring8)
+    cerar8 = [p for p in data["points"] if p["kind"] == "cerar8"]
+    assert {p["components"] for p in cerar8} == {5, 6, 8, 12}
+    blocks = json.loads((out / "blocks.json").read_text())
+    assert len(blocks["rows"]) == 2 * 3 * len(frontier.BLOCKS)
+    assert set(blocks["rows"][0]["errors"]) == set(frontier.INPUTS)
+
+
+def test_study_frontier_refuses_bad_world_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["study", "--frontier", "-N", "2", "--out", str(tmp_path)]) == 2
+    assert "'world_sizes'" in capsys.readouterr().err
