@@ -10,6 +10,8 @@ raised a spurious "different call counts" on every rank).
 
 from __future__ import annotations
 
+import hashlib
+import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -20,7 +22,47 @@ import torch.distributed as dist
 from cerar.comm.ring.links import Ring
 from cerar.comm.ring.stats import CommStats
 
-__all__ = ["GroupState", "count_call", "group_state", "ring_of"]
+__all__ = ["ORIGIN", "CallNumber", "GroupState", "count_call", "group_state", "ring_of", "thread_key"]
+
+#: The thread a call came from, as :func:`thread_key` names it: set by the communication thread
+#: while it runs the call (:mod:`cerar.comm.ring.thread`), read by :func:`count_call`.
+ORIGIN = threading.local()
+
+
+def thread_key(thread: threading.Thread | None = None) -> str:
+    """A name for a thread that is the same on every rank of an SPMD program: ``"MainThread"``,
+    ``"native"`` for threads Python did not start (autograd's device threads, where DDP's and
+    FSDP2's hooks run on an accelerator), a Python thread's own name, or for an unnamed one
+    (``Thread-3 (work)``) its target's (``work``), since the number depends on how many threads
+    a rank started before."""
+    thread = threading.current_thread() if thread is None else thread
+    if isinstance(thread, threading._DummyThread):  # type: ignore[attr-defined]
+        return "native"
+    match = re.fullmatch(r"Thread-\d+ \((.*)\)", thread.name)
+    return match.group(1) if match else thread.name
+
+
+@dataclass(frozen=True)
+class CallNumber:
+    """A call's number on its group: the group's count, and its thread's own (:func:`thread_key`).
+
+    The handshake compares ``float(number)``, a 48-bit digest of the three: ranks agree only on
+    the same call of the group *from the same thread*. Calls that several threads make on one
+    group at once reach the ranks in different orders; without the thread in the number, calls
+    of equal settings from different threads would pair up and sum different tensors silently.
+    """
+
+    group: int
+    thread: str
+    in_thread: int
+
+    def __float__(self) -> float:
+        digest = hashlib.sha256(f"{self.group}|{self.thread}|{self.in_thread}".encode()).digest()
+        return float(int.from_bytes(digest[:6], "big"))
+
+    def __str__(self) -> str:
+        return f"{self.group} (from thread {self.thread!r}, its call {self.in_thread})"
+
 
 
 @dataclass
@@ -29,6 +71,7 @@ class GroupState:
 
     Attributes:
         calls: cerar calls accepted on the group so far (the handshake compares it).
+        thread_calls: per thread (:func:`thread_key`), its calls on the group so far.
         stats: the group's cumulative :class:`CommStats` (``cerar.get_stats(group)``).
         scale_exponents: per ``(send_to, recv_from, size, packet precision)``, the packet scale
             exponent the last CERAR call of that size ended with.
@@ -45,6 +88,7 @@ class GroupState:
     stats: CommStats = field(default_factory=CommStats)
     scale_exponents: dict[tuple[Any, ...], int] = field(default_factory=dict)
     agreed: set[tuple[tuple[Any, ...], float]] = field(default_factory=set)
+    thread_calls: dict[str, int] = field(default_factory=dict)
     nodes: dict[int, Any] = field(default_factory=dict)
     ring: Ring | bool | None = None
 
@@ -72,12 +116,16 @@ def group_state(group: dist.ProcessGroup | None) -> GroupState:
         return state
 
 
-def count_call(group: dist.ProcessGroup | None) -> int:
-    """Count a call on ``group`` and return its number (see :func:`cerar.comm.collective.call.call_context`)."""
+def count_call(group: dist.ProcessGroup | None) -> CallNumber:
+    """Count a call on ``group`` and return its :class:`CallNumber`, its thread the one the
+    communication thread runs it for (:data:`ORIGIN`; see
+    :func:`cerar.comm.collective.call.call_context`)."""
     state = group_state(group)
+    origin = getattr(ORIGIN, "key", None) or thread_key()
     with _LOCK:
         state.calls += 1
-        return state.calls
+        state.thread_calls[origin] = state.thread_calls.get(origin, 0) + 1
+        return CallNumber(state.calls, origin, state.thread_calls[origin])
 
 
 def ring_of(group: dist.ProcessGroup | None) -> Ring | None:

@@ -9,9 +9,11 @@ of the ring's 3; N = 8: 3 instead of 7). The header is ``[h, -h, k, -k, max|x|, 
 
 * ``h``: a 48-bit hash of the call's settings (code, dtype, size, op, policy). All ranks agree
   iff ``max(h) == -max(-h)``, i.e. the largest hash equals the smallest.
-* ``k``: this rank's count of cerar calls on the group (counted when the call is made, before
-  its checks, so that a call one rank abandoned still counts there). Equal counts mean every
-  rank is at the same call; different counts mean one rank skipped or added one.
+* ``k``: this rank's number of the call (:class:`cerar.comm.ring.groups.CallNumber`: its count
+  of cerar calls on the group, counted when the call is made, before its checks, so that a call
+  one rank abandoned still counts there, with the calling thread and that thread's own count).
+  Equal numbers mean every rank is at the same call of the same thread; different ones mean one
+  rank skipped or added one, or that calls several threads made at once met in different orders.
 * ``max|x|``: the largest magnitude (``inf`` if non-finite), for the packet scaling of a
   call that has no previous scale to go by (the float16 ring, CERAR's first call of a size).
 * ``e``: the exponent of the packet scale this rank proposes (its previous call's); every rank
@@ -147,7 +149,7 @@ class OpenHandshake:
         self,
         ring: Ring,
         own: torch.Tensor,
-        counter: int,
+        counter: Any,
         summary: Summary,
         device: torch.device | None,
         stats: CommStats | None = None,
@@ -196,7 +198,10 @@ class OpenHandshake:
         self.rest = []
         if total[0] != -total[1] or total[2] != -total[3]:
             made = self.summary if isinstance(self.summary, str) else self.summary()
-            what = "different settings" if total[0] != -total[1] else "different call counts (a rank skipped a call)"
+            what = (
+                "different settings" if total[0] != -total[1]
+                else "different call counts (a rank skipped a call, or calls from different threads met)"
+            )  # fmt: skip
             if isinstance(made, Mapping):  # settings by name: the message names the first that differs
                 fields = {**{k: str(v) for k, v in made.items()}, "call": str(self.counter)}
                 raise SettingsMismatchError(_named(gather_text(self.ring, json.dumps(fields), self.device), what))
@@ -209,7 +214,7 @@ class OpenHandshake:
 def open_handshake(
     ring: Ring,
     settings: float,
-    counter: int,
+    counter: Any,
     summary: Summary,
     proposal: Proposal = NO_PROPOSAL,
     *,
@@ -225,7 +230,7 @@ def open_handshake(
 def handshake(
     ring: Ring,
     settings: float,
-    counter: int,
+    counter: Any,
     summary: Summary,
     proposal: Proposal = NO_PROPOSAL,
     *,
@@ -251,7 +256,7 @@ def _named(texts: list[str], what: str) -> str:  # what: the fallback's words
     keys = list(dict.fromkeys(k for s in settings for k in s))
     key = next((k for k in keys if len({s.get(k) for s in settings}) > 1), "call")
     values = "; ".join(f"rank {r}: {s.get(key)}" for r, s in enumerate(settings))
-    named = "call counts (a rank skipped a call)" if key == "call" else key
+    named = "call counts (a rank skipped a call, or calls from different threads met)" if key == "call" else key
     return f"cerar: ranks called the collective with different {named}: {values}"
 
 

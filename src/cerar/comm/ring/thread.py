@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cerar.comm.ring.groups import ORIGIN, thread_key
 from cerar.comm.ring.work import Work
 
 __all__ = ["COMM", "CerarWork", "CommThread", "ShutdownError", "Work"]
@@ -108,6 +109,7 @@ class _Job:
     future: torch.futures.Future[list[torch.Tensor]]
     tensors: list[torch.Tensor]
     sync: _DeviceSync | None
+    origin: str = field(default_factory=thread_key)  # the submitting thread (cerar.comm.ring.groups)
     token: object = field(default_factory=object)
 
 
@@ -132,6 +134,7 @@ class _Worker:
                 return
             # Completed inside the device's stream context: a CUDA-aware future records its events
             # on cerar's stream, after the call's work.
+            ORIGIN.key = job.origin
             with job.sync.running() if job.sync is not None else contextlib.nullcontext():
                 try:
                     job.run()
