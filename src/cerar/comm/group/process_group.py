@@ -17,11 +17,17 @@ integers, complex, sparse, small tensors)
 every other collective, send/recv, barrier             the exact group, unchanged
 =====================================================  =========================================
 
-The coded calls return a work whose future's value is the tensors, reduced in place (DDP reads
-the value, ``dist.*`` the tensors); their errors (a dead peer, a mismatch, ``nonfinite="raise"``)
-reach ``wait()`` and the future. Two groups are made for it (:func:`cerar.comm.group.create.new_group`):
-``exact`` for everything handed over, ``transport`` for cerar's own point-to-point messages, so
-that these never share a communicator with the caller's collectives.
+Every float SUM or AVG of dense tensors, coded or handed over, is agreed before its data moves:
+the settings that decide its route (``cerar.exact()``, ``min_bytes``, the method, packet dtype,
+code, ``max_error``, ``nonfinite``) travel in the call's handshake on cerar's transport (a
+handed-over one's alone, on the communication thread, before the exact group's all-reduce), so
+ranks that differ raise :class:`cerar.SettingsMismatchError` naming the setting, on every rank,
+instead of one rank coding what another hands over. Every all-reduce returns cerar's one
+:class:`~cerar.comm.ring.work.Work` (value: the tensors, reduced in place); its errors (a dead
+peer, a mismatch, ``nonfinite="raise"``) reach ``wait()`` with their own type. Two groups are
+made for it (:func:`cerar.comm.group.create.new_group`): ``exact`` for everything handed over,
+``transport`` for cerar's own point-to-point messages, so that these never share a communicator
+with the caller's collectives.
 """
 
 from __future__ import annotations

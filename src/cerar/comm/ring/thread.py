@@ -18,15 +18,17 @@ caller's current stream after the result (no host synchronisation).
 
 Threads. The ranks' calls pair up by their order, so every rank must issue them in the same
 order, and calls made from several Python threads at once have no order across ranks (rank
-0's thread A would pair with rank 1's thread B). The rule: **a process's cerar calls come
-from one thread at a time** (any thread: DDP's hooks run on the thread that calls
-``backward()``, FSDP2's on autograd's while the main thread logs the loss), and a call from
-another thread while a thread's calls are in flight **waits** until every one of them has
-completed (a sync call returned, an async one's handle completed), then takes over
-(:meth:`CommThread.submit`). A blocking call from the communication thread itself (a
-callback), which would wait on itself forever, raises. The rule is per process, not per process
-group: one thread runs the calls of every group. Waiting orders one rank's calls; the ranks must
-still reach the calls in the same order (as they must for any collective).
+0's thread A would pair with rank 1's thread B). The rules: a call from another thread while
+a thread's calls are in flight **waits** until every one of them has completed (a sync call
+returned, an async one's handle completed), then takes over (:meth:`CommThread.submit`); and
+every call carries the thread it came from and that thread's own count of calls on the group
+into its handshake (:class:`cerar.comm.ring.groups.CallNumber`), so calls of different threads
+that meet raise :class:`cerar.SettingsMismatchError` on every rank instead of summing unrelated
+tensors. DDP's hooks run on the thread that calls ``backward()`` (on an accelerator, autograd's,
+a "native" thread on every rank), FSDP2's likewise, the loss logging after it on the main
+thread: one thread at a time, as every collective library needs. A blocking call from the
+communication thread itself (a callback), which would wait on itself forever, raises. One
+thread runs the calls of every group of the process.
 """
 
 from __future__ import annotations
