@@ -13,6 +13,7 @@ members run), straight from the store torch hands it, and registered the same wa
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ def new_group(
     min_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
     nonfinite: str = "exact",
     ranks_per_node: int | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> Any:
     """A :class:`CerarProcessGroup` over ``ranks`` (global ranks; None: the world), as
     ``torch.distributed.new_group``: every rank of the world calls it, in the same order, and
@@ -55,8 +57,10 @@ def new_group(
         min_bytes: all-reduces of tensors smaller than this go to the exact group (default 2 MiB,
             the DDP hook's: CERAR's fixed cost per call outweighs the bytes it saves below it).
         ranks_per_node: the hierarchical path, exact inside each node of that many ranks.
+        timeout: as ``dist.new_group``'s: how long its inner groups (exact and transport) wait
+            for a peer before raising; None: the default group's (``init_process_group(timeout=)``).
 
-    The inner groups take the default group's backend (Gloo on CPU, NCCL on CUDA) and timeout.
+    The inner groups take the default group's backend (Gloo on CPU, NCCL on CUDA).
     Bad arguments raise ValueError or TypeError naming the argument and the value, on every rank.
     """
     settings = GroupSettings(method, code, packet_dtype, max_error, min_bytes, nonfinite, ranks_per_node)
@@ -70,7 +74,7 @@ def new_group(
         expected = len(members) // (ranks_per_node or 1)
         if code.world_size != expected:
             raise ValueError(f"Argument 'code' must be for {expected} ranks, not world_size={code.world_size}.")
-    options = {"timeout": group_timeout(None), "backend": _inner_backend()}
+    options = {"timeout": check_timeout(timeout), "backend": _inner_backend()}
     exact = dist.new_group(members, **options)
     transport = dist.new_group(members, **options)
     if dist.get_rank() not in members:
@@ -78,6 +82,15 @@ def new_group(
     group = CerarProcessGroup(exact, transport, settings, exact.rank(), exact.size())
     _register(group, members, f"cerar:{exact.group_name}")
     return group
+
+
+def check_timeout(timeout: Any) -> datetime.timedelta | None:
+    """``timeout`` (a ``datetime.timedelta`` of more than 0), or the default group's for None."""
+    if timeout is None:
+        return group_timeout(None)
+    if not isinstance(timeout, datetime.timedelta) or timeout <= datetime.timedelta(0):
+        raise TypeError(f"Argument 'timeout' must be a positive datetime.timedelta or None, not {timeout!r}.")
+    return timeout
 
 
 def _members(ranks: Sequence[int] | None, world: int) -> list[int]:
