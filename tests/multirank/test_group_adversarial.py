@@ -439,7 +439,48 @@ def test_compiled_ddp_on_the_group() -> None:
         assert out["type"] is None and out["error"] < 1e-3, out
 
 
-# -- 9. state dicts (the full table is tests/unit/test_state_dict_values.py) --------------------
+# -- 9. the functional collectives by the group's name --------------------------------------------
+
+
+def _by_name(rank: int, world: int) -> dict[str, Any]:
+    import cerar
+
+    group = cerar.new_group(min_bytes=1024, timeout=SHORT)
+    ops = torch.ops._c10d_functional
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    expected = x.clone()
+    dist.all_reduce(expected)
+    out = ops.wait_tensor(ops.all_reduce(x, "sum", group.group_name))  # a coded size: the group's allreduce
+    gathered = torch.empty(64 * world)
+    ops.wait_tensor(ops.all_gather_into_tensor_out(x[:64], world, group.group_name, out=gathered))
+    reference = [torch.empty(64) for _ in range(world)]
+    dist.all_gather(reference, x[:64].clone())
+    routes = group.stats.as_dict()
+    destroyed = []
+    for which in (group, None):  # cerar's group (its backends are its exact group's), then every group
+        try:
+            dist.destroy_process_group(which)
+            destroyed.append("ok")
+        except Exception as exc:
+            destroyed.append(f"{type(exc).__name__}: {exc}")
+    return {
+        "destroyed": destroyed,
+        "error": float((out - expected).norm() / expected.norm()),
+        "coded_calls": routes.get("cerar", {}).get("sum", {}).get("calls", 0),
+        "gathered": bool(torch.equal(gathered, torch.cat(reference))),
+    }
+
+
+def test_the_functional_ops_by_the_groups_name_reach_it_or_its_exact_group() -> None:
+    """``_c10d_functional`` ops resolve a group by name and some ask it for its backend by device:
+    cerar's group carries its exact group's (an all-gather runs there, bitwise); an all-reduce by
+    name still reaches the group's own ``allreduce`` (coded at this size)."""
+    for out in check(run_ranks(_by_name, 3, timeout=60, pg_timeout=20)):
+        assert out["gathered"] and out["coded_calls"] == 1 and 0 < out["error"] < 1e-3, out
+        assert out["destroyed"] == ["ok", "ok"], out
+
+
+# -- 10. state dicts (the full table is tests/unit/test_state_dict_values.py) --------------------
 
 
 @pytest.mark.parametrize(("key", "value"), [("bucket_numel", {0: -5}), ("world_size", "4"), ("rank", -1)])

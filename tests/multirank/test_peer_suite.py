@@ -699,8 +699,6 @@ FAILING: dict[str, str] = {
     "monitored_barrier": "ValueError: monitored_barrier is only implemented for GLOO backend.",
     "work.result[small]": "RuntimeError: result() not implemented (the exact route's work)",
     "work.result[big]": "RuntimeError: result() not implemented (the coded route's work)",
-    "_c10d_functional.all_gather_into_tensor_out[by name]": "RuntimeError: No backend type associated with device "
-    "type cpu",
     "compiled[broadcast]": "InternalTorchDynamoError: UnsafeScriptObjectError: Attempted to access unregistered member "
     "on an OpaqueObject (self.stats in the handed-over broadcast)",
 }

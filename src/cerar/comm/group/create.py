@@ -81,6 +81,7 @@ def new_group(
         return dist.GroupMember.NON_GROUP_MEMBER
     group = CerarProcessGroup(exact, transport, settings, exact.rank(), exact.size())
     _register(group, members, f"cerar:{exact.group_name}")
+    _adopt_backends(group, exact)
     return group
 
 
@@ -112,15 +113,42 @@ def _inner_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _register(group: dist.ProcessGroup, global_ranks: Sequence[int], name: str) -> None:
-    """Make torch's helpers know ``group`` as a group of ``global_ranks`` called ``name``, as
-    ``dist.new_group`` registers its own (rank translation, ``DeviceMesh``, the functional
-    collectives' name registry)."""
+def _register(group: dist.ProcessGroup, global_ranks: Sequence[int], name: str, backend: str = BACKEND) -> None:
+    """Make torch's helpers know ``group`` as a ``backend`` group of ``global_ranks`` called
+    ``name``, as ``dist.new_group`` registers its own (rank translation, ``DeviceMesh``, the
+    functional collectives' name and tag registries, ``dist.destroy_process_group``)."""
     group._set_group_name(name)
     c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(global_ranks)}
     c10d._world.pg_names[group] = name
-    c10d._world.pg_map[group] = (BACKEND, None)
+    c10d._world.pg_map[group] = (backend, None)
+    c10d._world.pg_backend_config[group] = str(c10d.BackendConfig(dist.Backend(backend)))
+    tag = f"ptd:{name}"
+    c10d._world.pg_to_tag[group] = tag
+    for key in (tag, ""):
+        c10d._world.tags_to_pg.setdefault(key, []).append(group)
     c10d._register_process_group(name, group)
+
+
+def _adopt_backends(group: dist.ProcessGroup, exact: dist.ProcessGroup) -> None:
+    """Give ``group`` the exact group's backends (Gloo for CPU, NCCL for CUDA where there is one)
+    as its own, as torch's groups have: the C++ ops that look a group's backend up by device (the
+    functional collectives' ``*_out`` forms and ``_c10d_functional`` ops resolved by name, the
+    coalescing manager) then run on the exact group instead of raising "No backend type
+    associated with device type cpu". The group's own methods (``allreduce``, DDP's calls,
+    ``dist.*``) are Python overrides and keep their routing."""
+    devices = [("cpu", dist.ProcessGroup.BackendType.GLOO)]
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        devices.append(("cuda", dist.ProcessGroup.BackendType.NCCL))
+    adopted = False
+    for device, kind in devices:
+        try:
+            backend = exact._get_backend(torch.device(device))
+        except RuntimeError:  # the exact group has none for this device
+            continue
+        group._register_backend(torch.device(device), kind, backend)
+        if not adopted:
+            group._set_default_backend(kind)
+            adopted = True
 
 
 _DEFAULTS = [GroupSettings()]  # the backend's groups made without pg_options
@@ -147,8 +175,15 @@ def _create(options: Any, settings: Any) -> CerarProcessGroup:
     inner = []
     for part in ("exact", "transport"):
         inner.append(_store_group(c10d.PrefixStore(f"cerar-{part}/", store), rank, size, options.timeout))
-        _register(inner[-1], global_ranks, f"{options.group_id}:cerar-{part}")
-    return CerarProcessGroup(inner[0], inner[1], settings, rank, size)
+        _register(inner[-1], global_ranks, f"{options.group_id}:cerar-{part}", _store_backend())
+    group = CerarProcessGroup(inner[0], inner[1], settings, rank, size)
+    _adopt_backends(group, inner[0])
+    return group
+
+
+def _store_backend() -> str:
+    """What :func:`_store_group`'s groups run: Gloo, and NCCL for CUDA tensors where there is a GPU."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def _store_group(store: Any, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
