@@ -480,7 +480,36 @@ def test_the_functional_ops_by_the_groups_name_reach_it_or_its_exact_group() -> 
         assert out["destroyed"] == ["ok", "ok"], out
 
 
-# -- 10. state dicts (the full table is tests/unit/test_state_dict_values.py) --------------------
+# -- 10. monitored_barrier ---------------------------------------------------------------------
+
+
+def _monitored(rank: int, world: int) -> dict[str, Any]:
+    import cerar
+    from cerar.comm.group.create import monitored_barrier
+
+    group = cerar.new_group(min_bytes=0, timeout=SHORT)
+    out: dict[str, Any] = {"torch": _timed(lambda: dist.monitored_barrier(group=group, timeout=SHORT))}
+    out["cerar"] = _timed(lambda: monitored_barrier(group))
+    out["method"] = _timed(lambda: group.monitored_barrier(SHORT, wait_all_ranks=True))
+    if rank != 2:  # rank 2 stays away: the barrier names it
+        out["missing"] = _timed(lambda: monitored_barrier(group, datetime.timedelta(seconds=2), wait_all_ranks=True))
+    else:
+        time.sleep(3)
+    return out
+
+
+def test_monitored_barrier_on_the_group() -> None:
+    """torch's ``dist.monitored_barrier`` refuses any group whose backend is not named "gloo" (a
+    clear ValueError, today's behaviour); cerar's ``monitored_barrier`` (and the group's own
+    method) runs it on the exact group, and names a rank that stays away."""
+    results = check(run_ranks(_monitored, 3, timeout=60, pg_timeout=20))
+    for out in results:
+        assert out["torch"]["type"] == "ValueError" and "only implemented for GLOO" in out["torch"]["message"], out
+        assert out["cerar"]["type"] is None and out["method"]["type"] is None, out
+    assert "2" in results[0]["missing"]["message"] and results[0]["missing"]["seconds"] < QUICK, results[0]
+
+
+# -- 11. state dicts (the full table is tests/unit/test_state_dict_values.py) --------------------
 
 
 @pytest.mark.parametrize(("key", "value"), [("bucket_numel", {0: -5}), ("world_size", "4"), ("rank", -1)])

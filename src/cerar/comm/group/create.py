@@ -26,7 +26,7 @@ from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
 from cerar.comm.ring.links import group_timeout
 
-__all__ = ["BACKEND", "new_group", "register_backend"]
+__all__ = ["BACKEND", "monitored_barrier", "new_group", "register_backend"]
 
 BACKEND = "cerar"
 
@@ -92,6 +92,23 @@ def check_timeout(timeout: Any) -> datetime.timedelta | None:
     if not isinstance(timeout, datetime.timedelta) or timeout <= datetime.timedelta(0):
         raise TypeError(f"Argument 'timeout' must be a positive datetime.timedelta or None, not {timeout!r}.")
     return timeout
+
+
+def monitored_barrier(
+    group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+) -> None:
+    """``dist.monitored_barrier`` for any group, cerar's included: a barrier that names the ranks
+    that did not reach it within ``timeout``.
+
+    torch runs it on Gloo groups only (it checks ``dist.get_backend(group) == "gloo"``, and a
+    cerar group's backend is ``"cerar"``), so a cerar group's runs on its exact group: the same
+    ranks, numbered the same, on Gloo. ``timeout``: default the group's own (torch's default is
+    Gloo's 30 minutes). Any other group is handed to ``dist.monitored_barrier`` as it is."""
+    pg = c10d._get_default_group() if group is None else group
+    if isinstance(pg, CerarProcessGroup):
+        pg = pg.exact
+        timeout = check_timeout(timeout) if timeout is not None else group_timeout(pg)
+    dist.monitored_barrier(group=pg, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
 def _members(ranks: Sequence[int] | None, world: int) -> list[int]:
