@@ -14,6 +14,7 @@ members run), straight from the store torch hands it, and registered the same wa
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.distributed import distributed_c10d as c10d
 from cerar.coding.code import MAX_ERROR, Code
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
+from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.links import group_timeout
 
 __all__ = ["BACKEND", "monitored_barrier", "new_group", "register_backend"]
@@ -79,6 +81,7 @@ def new_group(
     transport = dist.new_group(members, **options)
     if dist.get_rank() not in members:
         return dist.GroupMember.NON_GROUP_MEMBER
+    agree_settings(settings, exact)
     group = CerarProcessGroup(exact, transport, settings, exact.rank(), exact.size())
     _register(group, members, f"cerar:{exact.group_name}")
     _adopt_backends(group, exact)
@@ -146,6 +149,46 @@ def _register(group: dist.ProcessGroup, global_ranks: Sequence[int], name: str, 
     c10d._register_process_group(name, group)
 
 
+def _describe(settings: GroupSettings) -> dict[str, Any]:
+    """The settings as plain values that compare equal exactly when the groups would send alike."""
+    code = settings.code
+    return {
+        "method": settings.method,
+        "code": None if code is None else f"{code!r} fingerprint={code.fingerprint}",
+        "packet_dtype": None if settings.packet_dtype is None else str(settings.packet_dtype),
+        "max_error": settings.max_error,
+        "min_bytes": settings.min_bytes,
+        "nonfinite": settings.nonfinite,
+        "ranks_per_node": settings.ranks_per_node,
+    }
+
+
+def agree_settings(settings: GroupSettings, exact: dist.ProcessGroup) -> None:
+    """Check that every member made its group with the same settings (one all-gather on the new
+    exact group, before the group is used): ranks that differ in ``min_bytes`` or ``max_error``
+    would otherwise route or code the same call differently and wait for the timeout. Raises
+    :class:`SettingsMismatchError` on every rank, naming each differing setting and each rank's value."""
+    mine = torch.frombuffer(bytearray(json.dumps(_describe(settings), sort_keys=True).encode()), dtype=torch.uint8)
+    size = exact.size()
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    exact.allgather([lengths], [torch.tensor([mine.numel()], dtype=torch.int64)]).wait()
+    longest = int(max(int(n) for n in lengths))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    texts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(size)]
+    exact.allgather([texts], [padded]).wait()
+    every = [json.loads(bytes(t[: int(n)].tolist()).decode()) for t, n in zip(texts, lengths, strict=True)]
+    differing = [key for key in every[0] if any(d.get(key) != every[0][key] for d in every)]
+    if differing:
+        details = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r}: {d.get(key)!r}" for r, d in enumerate(every)) for key in differing
+        )
+        raise SettingsMismatchError(
+            f"cerar: the ranks made the group with different settings (group ranks): {details}. Every rank must "
+            "pass the same settings."
+        )
+
+
 def _adopt_backends(group: dist.ProcessGroup, exact: dist.ProcessGroup) -> None:
     """Give ``group`` the exact group's backends (Gloo for CPU, NCCL for CUDA where there is one)
     as its own, as torch's groups have: the C++ ops that look a group's backend up by device (the
@@ -193,6 +236,7 @@ def _create(options: Any, settings: Any) -> CerarProcessGroup:
     for part in ("exact", "transport"):
         inner.append(_store_group(c10d.PrefixStore(f"cerar-{part}/", store), rank, size, options.timeout))
         _register(inner[-1], global_ranks, f"{options.group_id}:cerar-{part}", _store_backend())
+    agree_settings(settings, inner[0])
     group = CerarProcessGroup(inner[0], inner[1], settings, rank, size)
     _adopt_backends(group, inner[0])
     return group
