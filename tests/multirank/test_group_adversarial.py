@@ -12,6 +12,7 @@ waits for it today ends soon.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from typing import Any
@@ -245,11 +246,11 @@ def _max_error(rank: int, world: int) -> dict[str, Any]:
     exact = x.clone()
     dist.all_reduce(exact)
     out = {}
-    group = cerar.new_group(min_bytes=0, packet_dtype=torch.bfloat16, max_error=1e-3, timeout=SHORT)
     for how in ("group", "cerar.all_reduce"):
         y = x.clone()
         try:
             if how == "group":
+                group = cerar.new_group(min_bytes=0, packet_dtype=torch.bfloat16, max_error=1e-3, timeout=SHORT)
                 dist.all_reduce(y, group=group)
             else:
                 cerar.all_reduce(y, packet_dtype=torch.bfloat16, max_error=1e-3)
@@ -259,16 +260,33 @@ def _max_error(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 53: bfloat16 packets with max_error=1e-3 give an error of 2.8e-2 silently"
+@pytest.fixture(scope="module")
+def max_error_results() -> list[dict[str, Any]]:
+    return check(run_ranks(_max_error, 4, timeout=60, pg_timeout=20))
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "group",
+        pytest.param(
+            "cerar.all_reduce",
+            marks=pytest.mark.xfail(
+                strict=True, reason="issue 53: bfloat16 packets with max_error=1e-3 give an error of 3.4e-2 silently"
+            ),
+        ),
+    ],
 )
-def test_max_error_binds_the_default_code() -> None:
-    for out in check(run_ranks(_max_error, 4, timeout=60, pg_timeout=20)):
-        for how, seen in out.items():
-            if "error" in seen:
-                assert seen["error"] <= 1e-3, (how, seen)
-            else:  # a refusal naming the figures
-                assert "1e-03" in seen["message"] or "0.001" in seen["message"], (how, seen)
+def test_max_error_binds_the_default_code(max_error_results: list[dict[str, Any]], how: str) -> None:
+    """An error within max_error, or a refusal naming the code, the precision, the predicted error
+    and the limit (the group refuses when it is made: no bfloat16 code meets 1e-3 on 4 ranks)."""
+    for out in max_error_results:
+        seen = out[how]
+        if "error" in seen:
+            assert seen["error"] <= 1e-3, (how, seen)
+        else:
+            assert seen["type"] == "ValueError", (how, seen)
+            assert "N=4" in seen["message"] and "bf16" in seen["message"] and "limit 0.001" in seen["message"], seen
 
 
 # -- 4. wait(timeout=) with a stopped peer ----------------------------------------------------
@@ -581,6 +599,66 @@ def test_monitored_barrier_on_the_group() -> None:
         assert out["torch"]["type"] == "ValueError" and "only implemented for GLOO" in out["torch"]["message"], out
         assert out["cerar"]["type"] is None and out["method"]["type"] is None, out
     assert "2" in results[0]["missing"]["message"] and results[0]["missing"]["seconds"] < QUICK, results[0]
+
+
+def _cerar_world(rank: int, world: int, port: int, results: Any) -> None:
+    """A rank whose default group is cerar's (``init_process_group("cerar")``): the backend's
+    creator makes its inner groups from the store, agrees the settings, adopts the exact group's
+    backends."""
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    try:
+        import cerar.group
+        from cerar.comm.group.create import monitored_barrier
+        from cerar.comm.ring.links import group_timeout
+
+        dist.init_process_group("cerar", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=11))
+        pg = dist.group.WORLD
+        x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(rank))
+        expected = x.clone()
+        dist.all_reduce(expected, group=pg.exact)
+        dist.all_reduce(x)  # coded: 16 KB, the backend's default settings (min_bytes 2 MiB) send it exact
+        monitored_barrier()
+        gathered = torch.empty(64 * world)
+        ops = torch.ops._c10d_functional
+        ops.wait_tensor(ops.all_gather_into_tensor_out(x[:64].contiguous(), world, pg.group_name, out=gathered))
+        sub = dist.new_group([0, 1], backend="cerar")
+        out: Any = {
+            "cerar": isinstance(pg, cerar.group.CerarProcessGroup),
+            "same": bool(torch.equal(x, expected)),
+            "timeouts": [group_timeout(g).total_seconds() for g in (pg.exact, pg.transport)],
+            "inner_backend": str(dist.get_backend(pg.exact)),
+            "sub": type(sub).__name__,
+        }
+    except Exception as exc:  # reported to the parent
+        out = f"{type(exc).__name__}: {exc}"
+    results.put((rank, out))
+    results.close()
+    results.join_thread()  # before destroy: the queue's thread must flush first
+    os._exit(0)
+
+
+def test_init_process_group_cerar_agrees_adopts_and_barriers() -> None:
+    import multiprocessing as mp
+
+    from multirank import free_port
+
+    ctx = mp.get_context("fork")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_cerar_world, args=(r, 3, port, results), daemon=True) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    try:
+        outs = dict(results.get(timeout=60) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    for rank, out in outs.items():
+        assert isinstance(out, dict), (rank, out)
+        assert out["cerar"] and out["same"] and out["timeouts"] == [11.0, 11.0] and out["inner_backend"] == "gloo"
+        assert (out["sub"] == "CerarProcessGroup") == (rank < 2), out  # non-members: torch's marker
 
 
 # -- 11. state dicts (the full table is tests/unit/test_state_dict_values.py) --------------------

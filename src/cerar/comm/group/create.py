@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from cerar.coding.code import MAX_ERROR, Code
+from cerar.coding.precision import precision_name
+from cerar.comm.collective.codes import resolve_code, working_dtype
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
 from cerar.comm.ring.handshake import SettingsMismatchError
@@ -82,6 +84,7 @@ def new_group(
     if dist.get_rank() not in members:
         return dist.GroupMember.NON_GROUP_MEMBER
     agree_settings(settings, exact)
+    check_code(settings, exact.size())
     group = CerarProcessGroup(exact, transport, settings, exact.rank(), exact.size())
     _register(group, members, f"cerar:{exact.group_name}")
     _adopt_backends(group, exact)
@@ -189,6 +192,22 @@ def agree_settings(settings: GroupSettings, exact: dist.ProcessGroup) -> None:
         )
 
 
+def check_code(settings: GroupSettings, size: int) -> None:
+    """Refuse, when the group is made, a code that cannot meet ``max_error`` at the group's packet
+    precision: the given one or, without one, the default the coded calls would take (for float32
+    tensors: float64 ones get a code at least as accurate). A ValueError names the code, ``N``,
+    ``c``, the precision, the predicted error and the limit, on every rank (the settings are
+    agreed first), as ``cerar.all_reduce`` refuses an explicit code."""
+    if settings.method not in ("cerar", "hier-cerar") or settings.max_error is None:
+        return
+    ranks = size // (settings.ranks_per_node or 1)  # the code's ranks: the nodes on the hierarchical path
+    if ranks < 2:
+        return
+    packet = settings.packet_dtype
+    code = settings.code if settings.code is not None else resolve_code(ranks, torch.float32, packet)
+    code.check_error(precision_name(packet or working_dtype(torch.float32)), settings.max_error)
+
+
 def _adopt_backends(group: dist.ProcessGroup, exact: dist.ProcessGroup) -> None:
     """Give ``group`` the exact group's backends (Gloo for CPU, NCCL for CUDA where there is one)
     as its own, as torch's groups have: the C++ ops that look a group's backend up by device (the
@@ -237,6 +256,7 @@ def _create(options: Any, settings: Any) -> CerarProcessGroup:
         inner.append(_store_group(c10d.PrefixStore(f"cerar-{part}/", store), rank, size, options.timeout))
         _register(inner[-1], global_ranks, f"{options.group_id}:cerar-{part}", _store_backend())
     agree_settings(settings, inner[0])
+    check_code(settings, size)
     group = CerarProcessGroup(inner[0], inner[1], settings, rank, size)
     _adopt_backends(group, inner[0])
     return group
