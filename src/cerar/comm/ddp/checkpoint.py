@@ -117,6 +117,14 @@ def from_state_dict(
     unexpected = sorted((k for k in state_dict if k not in keys), key=repr)
     if missing or unexpected:
         raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}.")
+    for key, least in (("rank", 0), ("world_size", 1)):  # the saving rank's place: checked, not restored
+        _keyed(key, lambda v, key=key, least=least: check_int(key, v, minimum=least, optional=True), state_dict)
+    saved_rank, saved_size = state_dict["rank"], state_dict["world_size"]
+    if saved_rank is not None and saved_size is not None and saved_rank >= saved_size:
+        raise ValueError(
+            f"Key 'rank' of the state_dict holds a bad value {saved_rank!r}: it must be less than its "
+            f"'world_size', {saved_size!r}."
+        )
     for key, here in (("rank", rank), ("world_size", world_size)):
         saved = state_dict[key]
         if saved is not None and here is not None and saved != here:
@@ -130,8 +138,8 @@ def from_state_dict(
     parsers.update({
         "stats": _comm_stats,
         "last_step": lambda v: None if v is None else _comm_stats(v),
-        "bucket_numel": lambda v: {check_int("index", i): check_int("numel", n) for i, n in _mapping(v).items()},
-        "bucket_stats": lambda v: {check_int("index", i): _comm_stats(s) for i, s in _mapping(v).items()},
+        "bucket_numel": lambda v: {_index(i): check_int("numel", n, minimum=0) for i, n in _mapping(v).items()},
+        "bucket_stats": lambda v: {_index(i): _comm_stats(s) for i, s in _mapping(v).items()},
     })  # fmt: skip
     for name in COUNTERS:
         parsers[name] = lambda v, name=name: check_int(name, v, minimum=0)
@@ -159,9 +167,17 @@ def _keyed(key: str, parse: Callable[[Any], Any], state_dict: Mapping[str, Any])
 
 
 def _real(name: str, value: Any) -> float:
+    """A divergence: a non-negative real number, infinity included (not NaN)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Argument '{name}' must be a real number or None, not {value!r}.")
+    if not value >= 0:  # NaN too
+        raise ValueError(f"Argument '{name}' must be non-negative (or inf), not {value!r}.")
     return float(value)
+
+
+def _index(value: Any) -> int:
+    """A bucket's index: an integer of at least 0."""
+    return check_int("index", value, minimum=0)  # type: ignore[return-value]
 
 
 def _packet_dtype(value: Any) -> Any:

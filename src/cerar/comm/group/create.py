@@ -13,6 +13,8 @@ members run), straight from the store torch hands it, and registered the same wa
 
 from __future__ import annotations
 
+import datetime
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,11 +23,14 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from cerar.coding.code import MAX_ERROR, Code
+from cerar.coding.precision import precision_name
+from cerar.comm.collective.codes import resolve_code, working_dtype
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
+from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.links import group_timeout
 
-__all__ = ["BACKEND", "new_group", "register_backend"]
+__all__ = ["BACKEND", "monitored_barrier", "new_group", "register_backend"]
 
 BACKEND = "cerar"
 
@@ -40,6 +45,7 @@ def new_group(
     min_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
     nonfinite: str = "exact",
     ranks_per_node: int | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> Any:
     """A :class:`CerarProcessGroup` over ``ranks`` (global ranks; None: the world), as
     ``torch.distributed.new_group``: every rank of the world calls it, in the same order, and
@@ -55,8 +61,10 @@ def new_group(
         min_bytes: all-reduces of tensors smaller than this go to the exact group (default 2 MiB,
             the DDP hook's: CERAR's fixed cost per call outweighs the bytes it saves below it).
         ranks_per_node: the hierarchical path, exact inside each node of that many ranks.
+        timeout: as ``dist.new_group``'s: how long its inner groups (exact and transport) wait
+            for a peer before raising; None: the default group's (``init_process_group(timeout=)``).
 
-    The inner groups take the default group's backend (Gloo on CPU, NCCL on CUDA) and timeout.
+    The inner groups take the default group's backend (Gloo on CPU, NCCL on CUDA).
     Bad arguments raise ValueError or TypeError naming the argument and the value, on every rank.
     """
     settings = GroupSettings(method, code, packet_dtype, max_error, min_bytes, nonfinite, ranks_per_node)
@@ -70,14 +78,43 @@ def new_group(
         expected = len(members) // (ranks_per_node or 1)
         if code.world_size != expected:
             raise ValueError(f"Argument 'code' must be for {expected} ranks, not world_size={code.world_size}.")
-    options = {"timeout": group_timeout(None), "backend": _inner_backend()}
+    options = {"timeout": check_timeout(timeout), "backend": _inner_backend()}
     exact = dist.new_group(members, **options)
     transport = dist.new_group(members, **options)
     if dist.get_rank() not in members:
         return dist.GroupMember.NON_GROUP_MEMBER
+    agree_settings(settings, exact)
+    check_code(settings, exact.size())
     group = CerarProcessGroup(exact, transport, settings, exact.rank(), exact.size())
     _register(group, members, f"cerar:{exact.group_name}")
+    _adopt_backends(group, exact)
     return group
+
+
+def check_timeout(timeout: Any) -> datetime.timedelta | None:
+    """``timeout`` (a ``datetime.timedelta`` of more than 0), or the default group's for None."""
+    if timeout is None:
+        return group_timeout(None)
+    if not isinstance(timeout, datetime.timedelta) or timeout <= datetime.timedelta(0):
+        raise TypeError(f"Argument 'timeout' must be a positive datetime.timedelta or None, not {timeout!r}.")
+    return timeout
+
+
+def monitored_barrier(
+    group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+) -> None:
+    """``dist.monitored_barrier`` for any group, cerar's included: a barrier that names the ranks
+    that did not reach it within ``timeout``.
+
+    torch runs it on Gloo groups only (it checks ``dist.get_backend(group) == "gloo"``, and a
+    cerar group's backend is ``"cerar"``), so a cerar group's runs on its exact group: the same
+    ranks, numbered the same, on Gloo. ``timeout``: default the group's own (torch's default is
+    Gloo's 30 minutes). Any other group is handed to ``dist.monitored_barrier`` as it is."""
+    pg = c10d._get_default_group() if group is None else group
+    if isinstance(pg, CerarProcessGroup):
+        pg = pg.exact
+        timeout = check_timeout(timeout) if timeout is not None else group_timeout(pg)
+    dist.monitored_barrier(group=pg, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
 def _members(ranks: Sequence[int] | None, world: int) -> list[int]:
@@ -99,15 +136,98 @@ def _inner_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _register(group: dist.ProcessGroup, global_ranks: Sequence[int], name: str) -> None:
-    """Make torch's helpers know ``group`` as a group of ``global_ranks`` called ``name``, as
-    ``dist.new_group`` registers its own (rank translation, ``DeviceMesh``, the functional
-    collectives' name registry)."""
+def _register(group: dist.ProcessGroup, global_ranks: Sequence[int], name: str, backend: str = BACKEND) -> None:
+    """Make torch's helpers know ``group`` as a ``backend`` group of ``global_ranks`` called
+    ``name``, as ``dist.new_group`` registers its own (rank translation, ``DeviceMesh``, the
+    functional collectives' name and tag registries, ``dist.destroy_process_group``)."""
     group._set_group_name(name)
     c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(global_ranks)}
     c10d._world.pg_names[group] = name
-    c10d._world.pg_map[group] = (BACKEND, None)
+    c10d._world.pg_map[group] = (backend, None)
+    c10d._world.pg_backend_config[group] = str(c10d.BackendConfig(dist.Backend(backend)))
+    tag = f"ptd:{name}"
+    c10d._world.pg_to_tag[group] = tag
+    for key in (tag, ""):
+        c10d._world.tags_to_pg.setdefault(key, []).append(group)
     c10d._register_process_group(name, group)
+
+
+def _describe(settings: GroupSettings) -> dict[str, Any]:
+    """The settings as plain values that compare equal exactly when the groups would send alike."""
+    code = settings.code
+    return {
+        "method": settings.method,
+        "code": None if code is None else f"{code!r} fingerprint={code.fingerprint}",
+        "packet_dtype": None if settings.packet_dtype is None else str(settings.packet_dtype),
+        "max_error": settings.max_error,
+        "min_bytes": settings.min_bytes,
+        "nonfinite": settings.nonfinite,
+        "ranks_per_node": settings.ranks_per_node,
+    }
+
+
+def agree_settings(settings: GroupSettings, exact: dist.ProcessGroup) -> None:
+    """Check that every member made its group with the same settings (one all-gather on the new
+    exact group, before the group is used): ranks that differ in ``min_bytes`` or ``max_error``
+    would otherwise route or code the same call differently and wait for the timeout. Raises
+    :class:`SettingsMismatchError` on every rank, naming each differing setting and each rank's value."""
+    mine = torch.frombuffer(bytearray(json.dumps(_describe(settings), sort_keys=True).encode()), dtype=torch.uint8)
+    size = exact.size()
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    exact.allgather([lengths], [torch.tensor([mine.numel()], dtype=torch.int64)]).wait()
+    longest = int(max(int(n) for n in lengths))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    texts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(size)]
+    exact.allgather([texts], [padded]).wait()
+    every = [json.loads(bytes(t[: int(n)].tolist()).decode()) for t, n in zip(texts, lengths, strict=True)]
+    differing = [key for key in every[0] if any(d.get(key) != every[0][key] for d in every)]
+    if differing:
+        details = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r}: {d.get(key)!r}" for r, d in enumerate(every)) for key in differing
+        )
+        raise SettingsMismatchError(
+            f"cerar: the ranks made the group with different settings (group ranks): {details}. Every rank must "
+            "pass the same settings."
+        )
+
+
+def check_code(settings: GroupSettings, size: int) -> None:
+    """Refuse, when the group is made, a code that cannot meet ``max_error`` at the group's packet
+    precision: the given one or, without one, the default the coded calls would take (for float32
+    tensors: float64 ones get a code at least as accurate). A ValueError names the code, ``N``,
+    ``c``, the precision, the predicted error and the limit, on every rank (the settings are
+    agreed first), as ``cerar.all_reduce`` refuses an explicit code."""
+    if settings.method not in ("cerar", "hier-cerar") or settings.max_error is None:
+        return
+    ranks = size // (settings.ranks_per_node or 1)  # the code's ranks: the nodes on the hierarchical path
+    if ranks < 2:
+        return
+    packet = settings.packet_dtype
+    code = settings.code if settings.code is not None else resolve_code(ranks, torch.float32, packet)
+    code.check_error(precision_name(packet or working_dtype(torch.float32)), settings.max_error)
+
+
+def _adopt_backends(group: dist.ProcessGroup, exact: dist.ProcessGroup) -> None:
+    """Give ``group`` the exact group's backends (Gloo for CPU, NCCL for CUDA where there is one)
+    as its own, as torch's groups have: the C++ ops that look a group's backend up by device (the
+    functional collectives' ``*_out`` forms and ``_c10d_functional`` ops resolved by name, the
+    coalescing manager) then run on the exact group instead of raising "No backend type
+    associated with device type cpu". The group's own methods (``allreduce``, DDP's calls,
+    ``dist.*``) are Python overrides and keep their routing."""
+    devices = [("cpu", dist.ProcessGroup.BackendType.GLOO)]
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        devices.append(("cuda", dist.ProcessGroup.BackendType.NCCL))
+    adopted = False
+    for device, kind in devices:
+        try:
+            backend = exact._get_backend(torch.device(device))
+        except RuntimeError:  # the exact group has none for this device
+            continue
+        group._register_backend(torch.device(device), kind, backend)
+        if not adopted:
+            group._set_default_backend(kind)
+            adopted = True
 
 
 _DEFAULTS = [GroupSettings()]  # the backend's groups made without pg_options
@@ -134,8 +254,17 @@ def _create(options: Any, settings: Any) -> CerarProcessGroup:
     inner = []
     for part in ("exact", "transport"):
         inner.append(_store_group(c10d.PrefixStore(f"cerar-{part}/", store), rank, size, options.timeout))
-        _register(inner[-1], global_ranks, f"{options.group_id}:cerar-{part}")
-    return CerarProcessGroup(inner[0], inner[1], settings, rank, size)
+        _register(inner[-1], global_ranks, f"{options.group_id}:cerar-{part}", _store_backend())
+    agree_settings(settings, inner[0])
+    check_code(settings, size)
+    group = CerarProcessGroup(inner[0], inner[1], settings, rank, size)
+    _adopt_backends(group, inner[0])
+    return group
+
+
+def _store_backend() -> str:
+    """What :func:`_store_group`'s groups run: Gloo, and NCCL for CUDA tensors where there is a GPU."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def _store_group(store: Any, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:

@@ -22,6 +22,7 @@ every node (``replicate``), and the meshes FSDP2 takes. Two routes, the same tra
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cerar._checks import check_int
-from cerar.comm.group.create import new_group
+from cerar.comm.group.create import check_timeout, new_group
 
 __all__ = ["HSDPGroups", "all_reduce_hook", "hsdp_groups", "set_all_reduce_hook"]
 
@@ -56,11 +57,16 @@ class HSDPGroups:
     ranks_per_node: int
 
 
-def hsdp_groups(ranks_per_node: int | None = None, *, device_type: str = "cpu", **settings: Any) -> HSDPGroups:
+def hsdp_groups(
+    ranks_per_node: int | None = None, *, device_type: str = "cpu", timeout: datetime.timedelta | None = None,
+    **settings: Any,
+) -> HSDPGroups:  # fmt: skip
     """The groups and meshes of HSDP with CERAR between nodes (see the module doc), over the whole
-    world. ``ranks_per_node``: default torchrun's ``LOCAL_WORLD_SIZE``. ``settings``: the
-    replicate groups' (:func:`cerar.comm.group.create.new_group`'s keywords: ``method``,
-    ``packet_dtype``, ``min_bytes``...). Every rank calls it, at the same point."""
+    world. ``ranks_per_node``: default torchrun's ``LOCAL_WORLD_SIZE``. ``timeout``: how long the
+    shard and replicate groups wait for a peer (None: the default group's timeout, not
+    ``dist.new_group``'s 30 minutes, so that a stopped rank's node-mates raise when the others
+    do). ``settings``: the replicate groups' (:func:`cerar.comm.group.create.new_group`'s
+    keywords: ``method``, ``packet_dtype``, ``min_bytes``...). Every rank calls it, at the same point."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -73,8 +79,9 @@ def hsdp_groups(ranks_per_node: int | None = None, *, device_type: str = "cpu", 
     if world % g:
         raise ValueError(f"Argument 'ranks_per_node' must divide the world's {world} ranks, not {g}.")
     m = world // g
-    shards = [dist.new_group([k * g + local for local in range(g)]) for k in range(m)]  # every rank makes every group
-    replicas = [new_group([k * g + local for k in range(m)], **settings) for local in range(g)]
+    timeout = check_timeout(timeout)
+    shards = [dist.new_group([k * g + local for local in range(g)], timeout=timeout) for k in range(m)]  # every rank
+    replicas = [new_group([k * g + local for k in range(m)], timeout=timeout, **settings) for local in range(g)]
     shard, replicate = shards[rank // g], replicas[rank % g]
     from torch.distributed.device_mesh import DeviceMesh
 
