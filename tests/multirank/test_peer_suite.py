@@ -691,16 +691,8 @@ def _suite(rank: int, world: int, names: list[str]) -> dict[str, tuple[bool, str
 NAMES = list(CHECKS)
 
 #: Checks that fail today (issue 53), with what fails: strict xfails, so that a fix flips them.
-_OVERLOAD = (
-    "pg.allreduce(tensors, op), pg.allreduce(tensor, op): AttributeError: 'RedOpType' has no attribute 'reduceOp'"
-)
 FAILING: dict[str, str] = {
-    **{f"pg.allreduce[{form}-{size}]": _OVERLOAD for form in ("list-op", "tensor-op") for size in ("small", "big")},
     "monitored_barrier": "ValueError: monitored_barrier is only implemented for GLOO backend.",
-    "work.result[small]": "RuntimeError: result() not implemented (the exact route's work)",
-    "work.result[big]": "RuntimeError: result() not implemented (the coded route's work)",
-    "compiled[broadcast]": "InternalTorchDynamoError: UnsafeScriptObjectError: Attempted to access unregistered member "
-    "on an OpaqueObject (self.stats in the handed-over broadcast)",
 }
 
 

@@ -321,6 +321,11 @@ _HANDED = (
 )  # fmt: skip
 for _name in _HANDED:
     setattr(CerarProcessGroup, _name, _handed_over(_name))
+# Under torch.compile dynamo sees a ProcessGroup as an opaque object and cannot trace a Python
+# method that reads the group's attributes ("Member 'stats' is not registered for this opaque
+# object type"): the methods run eagerly, at a graph break, as a C++ group's do.
+for _name in (*_HANDED, "allreduce", "allreduce_coalesced"):
+    setattr(CerarProcessGroup, _name, torch.compiler.disable(getattr(CerarProcessGroup, _name)))
 CerarProcessGroup._allgather_base = CerarProcessGroup.all_gather_single  # type: ignore[attr-defined]
 CerarProcessGroup._reduce_scatter_base = CerarProcessGroup.reduce_scatter_single  # type: ignore[attr-defined]
 CerarProcessGroup.allgather_into_tensor_coalesced = CerarProcessGroup.all_gather_single_coalesced  # type: ignore[attr-defined]

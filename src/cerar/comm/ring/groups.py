@@ -11,7 +11,6 @@ raised a spurious "different call counts" on every rank).
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -32,14 +31,13 @@ ORIGIN = threading.local()
 def thread_key(thread: threading.Thread | None = None) -> str:
     """A name for a thread that is the same on every rank of an SPMD program: ``"MainThread"``,
     ``"native"`` for threads Python did not start (autograd's device threads, where DDP's and
-    FSDP2's hooks run on an accelerator), a Python thread's own name, or for an unnamed one
-    (``Thread-3 (work)``) its target's (``work``), since the number depends on how many threads
-    a rank started before."""
+    FSDP2's hooks run on an accelerator), else the Python thread's name (``Thread-3 (work)``
+    unless the program named it: ranks that started different numbers of threads before
+    disagree on the number and raise naming both, which naming the threads mends)."""
     thread = threading.current_thread() if thread is None else thread
     if isinstance(thread, threading._DummyThread):  # type: ignore[attr-defined]
         return "native"
-    match = re.fullmatch(r"Thread-\d+ \((.*)\)", thread.name)
-    return match.group(1) if match else thread.name
+    return thread.name
 
 
 @dataclass(frozen=True)
