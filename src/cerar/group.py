@@ -7,7 +7,7 @@ Defined in :mod:`cerar.comm.group`; this module re-exports their public names an
 ``new_group(backend="cerar")``) when it loads.
 """
 
-from cerar.comm.group.create import BACKEND, new_group, register_backend
+from cerar.comm.group.create import BACKEND, monitored_barrier, new_group, register_backend
 from cerar.comm.group.hsdp import HSDPGroups, all_reduce_hook, hsdp_groups, set_all_reduce_hook
 from cerar.comm.group.process_group import METHODS, CerarProcessGroup, GroupSettings, RouteStats, exact
 
@@ -21,6 +21,7 @@ __all__ = [
     "all_reduce_hook",
     "exact",
     "hsdp_groups",
+    "monitored_barrier",
     "new_group",
     "register_backend",
     "set_all_reduce_hook",
