@@ -37,9 +37,9 @@ def test_candidates_by_budget() -> None:
         1e-5: ["exact"], 1e-3: ["exact", "fp16", "cerar"], 2e-2: ["exact", "fp16", "int8", "cerar", "cerar-fp16"],
     }  # fmt: skip
     admitted, refused = build_candidates(4, 1e-3)
-    assert [c.label for c in refused] == ["cerar-fp16 c=8"] and admitted[2].components == 8
+    assert [c.label for c in refused] == ["int8", "cerar-fp16 c=8"] and admitted[2].components == 8
     assert all(c.predicted_error <= 1e-3 for c in admitted) and refused[0].predicted_error > 1e-3
-    assert [c.name for c in build_candidates(2, None)[0]] == ["exact", "fp16"]  # N = 2: CERAR is the ring
+    assert [c.name for c in build_candidates(2, None)[0]] == ["exact", "fp16", "int8"]  # N = 2: CERAR is the ring
     with pytest.raises(ValueError, match="Argument 'candidates'"):
         build_candidates(4, 1e-3, ("exact", "nccl"))
 
