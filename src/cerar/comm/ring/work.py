@@ -134,6 +134,8 @@ class Work(dist.Work):
 
         for future in futures:
             future.add_done_callback(one_done)
+        if not futures:
+            out.set_result(tensors)
         return cls(out)
 
     def wait(self, timeout: Any = None) -> bool:
