@@ -73,20 +73,7 @@ def simulate_ring(
         sent = [chunks[r, (r + 1 - step) % n].copy() for r in range(n)]
         for r in range(n):
             chunks[r, (r - step) % n] = sent[(r - 1) % n]
-    outputs = (values.astype(np.float64) * scale)[:, :d]
-    sent_values = np.full(n, 2 * (n - 1) * chunk)
-    return SimulationResult(
-        outputs=outputs,
-        exact=flat.sum(axis=0),
-        inputs=flat,
-        rounds=2 * (n - 1),
-        packet_values=chunk,
-        values_sent=sent_values,
-        values_received=sent_values.copy(),
-        peak_packets=np.full(n, n + 2),
-        peak_working_packets=np.full(n, 2),
-        error_bounds=np.zeros(n),
-    )
+    return _ring_result((values.astype(np.float64) * scale)[:, :d], flat, chunk)
 
 
 def _simulate_ring_8bit(
@@ -126,19 +113,7 @@ def simulate_ring_rounded(
     for step in range(n - 1):  # all-gather
         sent = chunks[ranks, (ranks + 1 - step) % n].copy()
         chunks[ranks, (ranks - step) % n] = sent[(ranks - 1) % n]
-    sent_values = np.full(n, 2 * (n - 1) * chunk)
-    return SimulationResult(
-        outputs=values.astype(np.float64)[:, :d],
-        exact=flat.sum(axis=0),
-        inputs=flat,
-        rounds=2 * (n - 1),
-        packet_values=chunk,
-        values_sent=sent_values,
-        values_received=sent_values.copy(),
-        peak_packets=np.full(n, n + 2),
-        peak_working_packets=np.full(n, 2),
-        error_bounds=np.zeros(n),
-    )
+    return _ring_result(values.astype(np.float64)[:, :d], flat, chunk)
 
 
 def ring_bytes_per_value(world_size: int, wire: str, block_format: BlockFormat | None = None) -> float:
@@ -151,3 +126,21 @@ def ring_bytes_per_value(world_size: int, wire: str, block_format: BlockFormat |
     else:
         per_value = ITEMSIZE[precision_name(wire, "wire")]
     return 2 * (n - 1) / n * per_value
+
+
+def _ring_result(outputs: np.ndarray, flat: np.ndarray, chunk: int) -> SimulationResult:
+    """A ring's figures: ``2(N-1)`` rounds of ``chunk`` values, no error bound of CERAR's."""
+    n = flat.shape[0]
+    sent_values = np.full(n, 2 * (n - 1) * chunk)
+    return SimulationResult(
+        outputs=outputs,
+        exact=flat.sum(axis=0),
+        inputs=flat,
+        rounds=2 * (n - 1),
+        packet_values=chunk,
+        values_sent=sent_values,
+        values_received=sent_values.copy(),
+        peak_packets=np.full(n, n + 2),
+        peak_working_packets=np.full(n, 2),
+        error_bounds=np.zeros(n),
+    )

@@ -279,7 +279,7 @@ def hierarchical_call(
                 return
             d = flat.numel()
             shard_size = math.ceil(d / layout.ranks_per_node)
-            padded = _padded(flat, shard_size * layout.ranks_per_node)
+            padded = WORKSPACE.padded("hier_padded", flat, shard_size * layout.ranks_per_node)
             shard = padded
             if nodes.node_group is not None:
                 shard = WORKSPACE.get("hier_shard", (shard_size,), flat.dtype, flat.device)
@@ -308,16 +308,6 @@ def hierarchical_call(
         call.calls, call.wall_s = 1, wall
         if stats is not None:
             stats.add(call)
-
-
-def _padded(flat: torch.Tensor, size: int) -> torch.Tensor:
-    """``flat`` itself, or a copy zero padded to ``size`` values (``G`` equal shards)."""
-    if flat.numel() == size:
-        return flat
-    padded = WORKSPACE.get("hier_padded", (size,), flat.dtype, flat.device)
-    padded[: flat.numel()].copy_(flat)
-    padded[flat.numel() :].zero_()
-    return padded
 
 
 def _in_node(nodes: _Nodes, what: str, collective: Callable[..., Any], *args: Any) -> None:

@@ -102,12 +102,7 @@ def run_quantized_ring(flat: torch.Tensor, ring: Ring, stats: CommStats, fmt: Bl
         raise ValueError(f"Argument 'flat' must be a contiguous 1-d float32 tensor, not {flat.dtype} of shape {shape}.")
     n, d = ring.size, flat.numel()
     chunk = math.ceil(d / n)
-    if d == n * chunk:
-        padded = flat
-    else:
-        padded = WORKSPACE.get("ring_padded", (n * chunk,), flat.dtype, flat.device)
-        padded[:d].copy_(flat)
-        padded[d:].zero_()
+    padded = WORKSPACE.padded("ring_padded", flat, n * chunk)
     chunks = padded.view(n, chunk)
     layout = quant_pieces(chunk, fmt)
     stride = layout[-1][2] + layout[-1][3] if layout else 0

@@ -32,12 +32,7 @@ def run_ring(
     d = flat.numel()
     chunk = math.ceil(d / n)
     wire = wire_dtype or flat.dtype
-    if d == n * chunk:
-        padded = flat
-    else:
-        padded = WORKSPACE.get("ring_padded", (n * chunk,), flat.dtype, flat.device)
-        padded[:d].copy_(flat)
-        padded[d:].zero_()
+    padded = WORKSPACE.padded("ring_padded", flat, n * chunk)
     scale_by_power_of_two(padded, -scale_exponent)
     chunks = padded.view(n, chunk)
     send = WORKSPACE.get("ring_send", (2, chunk), wire, flat.device)

@@ -34,6 +34,16 @@ class Workspace:
             self._replaced()
         return buffer[:size].view(shape)
 
+    def padded(self, name: str, flat: torch.Tensor, size: int) -> torch.Tensor:
+        """``flat`` itself if it holds ``size`` values, else the buffer ``name`` holding a copy of
+        it zero padded to ``size`` (a ring's equal chunks)."""
+        if flat.numel() == size:
+            return flat
+        padded = self.get(name, (size,), flat.dtype, flat.device)
+        padded[: flat.numel()].copy_(flat)
+        padded[flat.numel() :].zero_()
+        return padded
+
     def release(self, name: str) -> None:
         """Drop the buffers called ``name`` (of every dtype and device)."""
         for key in [key for key in self._buffers if key[0] == name]:
