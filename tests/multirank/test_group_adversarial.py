@@ -298,11 +298,6 @@ def _stopped_peer(rank: int, world: int) -> dict[str, Any] | None:
     return {name: _timed(lambda work=work: work.wait(datetime.timedelta(seconds=3))) for name, work in works.items()}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 53: the coded call's wait(timeout=3 s) raises at 3 s, but a float sum the group hands over is "
-    "agreed first, synchronously, so with a stopped peer the call itself raises RingError at the group's timeout",
-)
 def test_wait_with_a_timeout_and_a_stopped_peer_raises_within_it() -> None:
     results = run_ranks(_stopped_peer, 3, timeout=60, pg_timeout=30)
     for out in check(results[:-1]):

@@ -22,7 +22,9 @@ the settings that decide its route (``cerar.exact()``, ``min_bytes``, the method
 code, ``max_error``, ``nonfinite``) travel in the call's handshake on cerar's transport (a
 handed-over one's alone, on the communication thread, before the exact group's all-reduce), so
 ranks that differ raise :class:`cerar.SettingsMismatchError` naming the setting, on every rank,
-instead of one rank coding what another hands over. Every all-reduce returns cerar's one
+instead of one rank coding what another hands over. What the group hands over is issued on
+cerar's communication thread, in the order of the calls, so ``wait(timeout=)`` is honoured while an
+agreement waits on a stopped peer. Every all-reduce returns cerar's one
 :class:`~cerar.comm.ring.work.Work` (value: the tensors, reduced in place); its errors (a dead
 peer, a mismatch, ``nonfinite="raise"``) reach ``wait()`` with their own type. Two groups are
 made for it (:func:`cerar.comm.group.create.new_group`): ``exact`` for everything handed over,
@@ -217,12 +219,12 @@ class CerarProcessGroup(dist.ProcessGroup):
         if coded:
             future = self._coded(tensors, name, settings).future
         else:
+            agree: Callable[[], None] | None = None
             if settings is not None:  # agreed first: a rank that would code it raises, as this one does
                 ring = ring_of(self.transport)
                 assert ring is not None
                 agree = functools.partial(agree_call, ring, settings, tensors[0].device, None)
-                COMM.submit(agree, tensors[0], False)
-            future = handed(copies).get_future()
+            future = _issued(functools.partial(handed, copies), tensors, agree)
 
         def timed(done: torch.futures.Future[Any]) -> Any:
             try:
@@ -294,16 +296,97 @@ def _op_name(op: Any) -> str:
     return _OP_NAMES.get(kind, str(kind).rsplit(".", 1)[-1].lower())
 
 
+def _issued(
+    issue: Callable[[], dist.Work], tensors: list[torch.Tensor], agree: Callable[[], None] | None = None
+) -> torch.futures.Future[Any]:
+    """A call of the exact group, issued on the communication thread after every cerar call queued
+    before it (and ``agree``, its settings' agreement, if any), and its completion.
+
+    Issued there, not on the caller's thread: the ranks' exact-group calls and cerar's calls then
+    keep one order, the order they were made in, on every rank (Gloo pairs a group's calls by
+    their order), and the caller is not held while an agreement waits on a peer, so a
+    ``wait(timeout=)`` on the handle is honoured. The communication thread only issues the call:
+    it never waits for the exact group, whose calls may need the peers' later ones (send/recv).
+    """
+    issued: list[torch.futures.Future[Any]] = []
+
+    def run() -> None:
+        if agree is not None:
+            agree()
+        issued.append(_future_of(issue(), tensors))
+
+    queued = COMM.submit(run, tensors[0] if tensors else torch.empty(0), True)
+    assert queued is not None
+    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+    out: torch.futures.Future[Any] = torch.futures.Future(devices=devices or None)
+
+    def finished(done: torch.futures.Future[Any]) -> None:
+        try:
+            out.set_result(done.wait())
+        except BaseException as exc:  # the exact group's error, as it raised it
+            out.set_exception(exc)
+
+    def ran(done: torch.futures.Future[Any]) -> None:
+        try:
+            done.wait()  # the agreement's error (a mismatch, a dead peer), with its own type
+        except BaseException as exc:
+            out.set_exception(exc)
+        else:
+            issued[0].add_done_callback(finished)
+
+    queued.future.add_done_callback(ran)
+    return out
+
+
+def _future_of(work: dist.Work, tensors: list[torch.Tensor]) -> torch.futures.Future[Any]:
+    """``work``'s future; for a Gloo work that has none (``reduce_scatter``), one completed by a
+    thread that waits for it (value: its result, else ``tensors``), so that the communication
+    thread never does."""
+    try:
+        return work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        pass
+    future: torch.futures.Future[Any] = torch.futures.Future()
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as exc:
+            future.set_exception(exc)
+            return
+        try:
+            value = work.result()
+        except RuntimeError:  # "result() not implemented": the tensors, reduced in place
+            value = tensors
+        future.set_result(value)
+
+    threading.Thread(target=wait, name="cerar-exact-wait", daemon=True).start()
+    return future
+
+
 def _handed_over(name: str) -> Callable[..., Any]:
-    """A collective of the exact group, as it is, counted by route."""
+    """A collective of the exact group, as it is, counted by route, issued in order with cerar's
+    calls (:func:`_issued`; point-to-point calls at once); ``monitored_barrier``, which blocks and
+    returns nothing, waits."""
 
     def method(self: CerarProcessGroup, *args: Any, **kwargs: Any) -> Any:
         tensors = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
         self.stats.add("exact", name, sum(t.numel() * t.element_size() for t in tensors))
-        return getattr(self.exact, name)(*args, **kwargs)
+        call = functools.partial(getattr(self.exact, name), *args, **kwargs)
+        if name in _POINT_TO_POINT:  # paired by tag, not by order with the collectives: Gloo's own work
+            return call()
+        if name == "monitored_barrier":
+            COMM.submit(call, torch.empty(0), False)
+            return None
+        return Work(_issued(call, tensors))
 
     method.__name__ = name
     return method
+
+
+#: Gloo pairs point-to-point calls by peer and tag, apart from the collectives' order; their
+#: works carry what ``dist.recv`` reads back (``_source_rank``).
+_POINT_TO_POINT = ("send", "recv", "recv_anysource")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
