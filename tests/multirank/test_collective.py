@@ -447,7 +447,7 @@ def _kept_layout_worker(rank: int, world: int) -> dict[str, object]:
         "kept": kept,
         "probe_freed": alive() is None,
         "bound_before": before,
-        "stale_dropped": all(run.d != 20_011 for run in WORKSPACE.bound.values()),
+        "stale_dropped": all(run.layout.d != 20_011 for run in WORKSPACE.bound.values()),
     }
 
 

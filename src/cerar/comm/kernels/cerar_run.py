@@ -11,7 +11,8 @@ padded) when ``c`` does not divide ``d``.
 The coding is spread over the rounds, piece by piece, and kept off the critical path (in the
 engine's ``landed`` hook, once the piece's next round is on the wire): the encode and the decode
 are each one of two small objects (:mod:`cerar.comm.kernels.encode`, :mod:`cerar.comm.kernels.decode`),
-compiled where :mod:`cerar.comm.kernels.native` can serve the layout, torch ops elsewhere.
+compiled where :mod:`cerar.comm.kernels.native` can serve the layout, torch ops elsewhere. What
+the layout fixes and what one call holds are two records (:mod:`cerar.comm.kernels.cerar_state`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from cerar.coding.code import Code
 from cerar.comm.kernels import native
+from cerar.comm.kernels.cerar_state import CerarCall, CerarLayout
 from cerar.comm.kernels.decode import CompiledDecode, FoldedDecode
 from cerar.comm.kernels.encode import BatchedEncode, CompiledEncode, add_rounded
 from cerar.comm.kernels.plans import accumulator_dtype, rank_matrices, scaled_matrices
@@ -71,14 +73,18 @@ class CerarRun:
        packet is computed in the data's dtype and rounded once): the critical path is that add.
     3. Observations arrive straight into their slot and are decoded (:attr:`decode`), times
        ``2**r``, once the piece's next round is on the wire.
-    4. When the last round's piece lands, the chain has long completed: :meth:`decide` asks the
-       call's :class:`~cerar.comm.kernels.scale.PacketScale` whether every rank's data fitted
-       (the same answer on every rank; non-finite data: ``write_nonfinite``), and the piece's
-       sum, times ``2**q``, is written (or nothing is, and the input stays intact for the
-       caller's fallback or redo).
+    4. When the last round's piece lands, the chain has long completed: the call
+       (:meth:`cerar.comm.kernels.cerar_state.CerarCall.decide`) asks its
+       :class:`~cerar.comm.kernels.scale.PacketScale` whether every rank's data fitted (the same
+       answer on every rank; non-finite data: ``write_nonfinite``), and the piece's sum, times
+       ``2**q``, is written (or nothing is, and the input stays intact for the caller's fallback
+       or redo).
 
-    What belongs to one call (the input's views, the chain's values, the decision) is set by
-    :meth:`run` and dropped when it returns: a kept layout holds no caller's tensor.
+    Kept per layout: :attr:`layout` (sizes, pieces, buffers), the chain, the encode and decode
+    objects and the bound :attr:`program`. One call's state is a
+    :class:`~cerar.comm.kernels.cerar_state.CerarCall` that :meth:`run` makes, hands to the
+    encode and decode (:attr:`call`, the program's own ops read it there) and drops when it
+    returns: a kept layout holds no caller's tensor.
     """
 
     @classmethod
@@ -110,71 +116,67 @@ class CerarRun:
         device: torch.device,
         rows_exponent: int = 0,
     ) -> None:
-        self.ring, self.dtype, self.device = ring, dtype, device
-        c = self.c = code.components
-        d = self.d = numel
-        self.full_rows = d // c  # columns held in flat (or its scaled copy) as they are
-        m = self.m = math.ceil(d / c)
+        self.ring = ring
+        c, d = code.components, numel
+        m = math.ceil(d / c)
         plan = rank_matrices(code, ring.rank, device)
-        self.rounds = plan.increments.shape[0]
-        self.first_observed = plan.first_observed_round
-        self.rows_scale = math.ldexp(1.0, rows_exponent)  # |r| stays far inside float64
+        rows_scale = math.ldexp(1.0, rows_exponent)  # |r| stays far inside float64
         # The sum accumulates in the precision the packets need: float64 for float32/float64
         # packets, float32 for 16-bit ones, whose own rounding dwarfs float32's.
-        self.acc_dtype = accumulator_dtype(packet)
-        scaled = scaled_matrices(code, ring.rank, device, dtype, self.acc_dtype, rows_exponent)
-        self.pieces = segments(m, torch.empty((), dtype=packet).element_size())
+        acc_dtype = accumulator_dtype(packet)
+        scaled = scaled_matrices(code, ring.rank, device, dtype, acc_dtype, rows_exponent)
         # Every packet row starts with the maxima chain's front (8 N bytes), sent only by the
         # first piece of rounds 2 .. N; the values follow it.
         self.chain = MaximaChain(ring, device, packet)
-        f = self.front = self.chain.front
-        self.send = WORKSPACE.get("send", (2, f + m), packet, device)
-        self.recv = WORKSPACE.get("recv", (2, f + m), packet, device)  # rounds before the first observation
-        # Observation rounds receive straight into their slot (kept until the decode reads them);
-        # rounds before them into two alternating scratch packets.
-        self.observations = WORKSPACE.get("observations", (c, f + m), packet, device)
+        f = self.chain.front
+        self.layout = layout = CerarLayout(
+            c=c, d=d, m=m, full_rows=d // c,  # full rows: held in flat (or its scaled copy) as they are
+            dtype=dtype, packet=packet, acc_dtype=acc_dtype, device=device,
+            rounds=plan.increments.shape[0], first_observed=plan.first_observed_round, rows_scale=rows_scale,
+            pieces=tuple(segments(m, torch.empty((), dtype=packet).element_size())),
+            front=f,
+            send=WORKSPACE.get("send", (2, f + m), packet, device),
+            recv=WORKSPACE.get("recv", (2, f + m), packet, device),  # rounds before the first observation
+            observations=WORKSPACE.get("observations", (c, f + m), packet, device),
+        )  # fmt: skip
         # The compiled coding where it serves this layout (cerar.comm.kernels.native), else the torch ops.
-        encoder = native.fused_encoder(plan.increments / self.rows_scale, dtype, device)  # exact: a power of two
-        decoder = native.fused_decoder(plan.decode_own, plan.decode_obs * self.rows_scale, dtype, packet, device)
-        self.encode = BatchedEncode(self, scaled) if encoder is None else CompiledEncode(self, encoder)
-        self.decode = FoldedDecode(self, scaled) if decoder is None else CompiledDecode(self, decoder)
-        self.program = self._bind(packet != dtype)
+        encoder = native.fused_encoder(plan.increments / rows_scale, dtype, device)  # exact: a power of two
+        decoder = native.fused_decoder(plan.decode_own, plan.decode_obs * rows_scale, dtype, packet, device)
+        self.encode = BatchedEncode(layout, scaled) if encoder is None else CompiledEncode(layout, encoder)
+        self.decode = FoldedDecode(layout, scaled) if decoder is None else CompiledDecode(layout, decoder)
+        self.program = self._bind()
         # The chain's bytes, sent inside data packets: not counted as data.
-        carrying = sum(self.chain.carries(t, self.rounds) for t in range(1, self.rounds + 1)) if self.pieces else 0
-        self.control_bytes = carrying * f * self.send.element_size()
-        # One call's state, set by run().
-        self.flat: torch.Tensor | None = None
-        self.scale: PacketScale | None = None
-        self.write_nonfinite = False
-        self.data_exponent = 0
-        self.columns: dict[int, torch.Tensor] = {}
-        self.encode_s = self.decode_s = self.coding_cpu_s = 0.0
-        self.maxima: list[float] = []
-        self.written: bool | None = None  # decided once, after the last round
+        rounds = layout.rounds
+        carrying = sum(self.chain.carries(t, rounds) for t in range(1, rounds + 1)) if layout.pieces else 0
+        self.control_bytes = carrying * f * layout.send.element_size()
+        self.call: CerarCall | None = None  # the call in progress (run()), also held by encode and decode
 
     @property
-    def encoder(self) -> object | None:
+    def encoder(self) -> native.FusedEncoder | None:
         """The compiled encoder, or None where the torch ops run."""
-        return getattr(self.encode, "encoder", None)
+        return self.encode.encoder if isinstance(self.encode, CompiledEncode) else None
 
     @property
-    def decoder(self) -> object | None:
+    def decoder(self) -> native.FusedDecoder | None:
         """The compiled decoder, or None where the torch ops run."""
-        return getattr(self.decode, "decoder", None)
+        return self.decode.decoder if isinstance(self.decode, CompiledDecode) else None
 
     def _arrived(self, t: int) -> torch.Tensor:
         """The packet row round ``t`` arrives in: its observation slot, or a scratch row."""
-        slot = t - self.first_observed
-        return self.observations[slot] if slot >= 0 else self.recv[t % 2]
+        layout = self.layout
+        slot = t - layout.first_observed
+        return layout.observations[slot] if slot >= 0 else layout.recv[t % 2]
 
-    def _bind(self, widen: bool) -> Program:
+    def _bind(self) -> Program:
         """Every round's pieces: their views and the ops that fill and use them."""
-        f, program = self.front, []
-        for t in range(1, self.rounds + 1):
-            carrying = self.chain.carries(t, self.rounds)
+        layout, program = self.layout, []
+        f = layout.front
+        widen = layout.packet != layout.dtype
+        for t in range(1, layout.rounds + 1):
+            carrying = self.chain.carries(t, layout.rounds)
             pieces = []
-            for a, b in self.pieces:
-                row = self.send[t % 2]
+            for a, b in layout.pieces:
+                row = layout.send[t % 2]
                 out, arrived = row[f + a : f + b], self._arrived(t)
                 increment = self.encode.increment(a, t)
                 prepare: Action
@@ -193,7 +195,7 @@ class CerarRun:
                     arrived = arrived[f + a : f + b]
                 pieces.append(Piece(out, arrived, prepare, received, self._landed(t, a, b)))
             program.append(pieces)
-        return Program(program, self.device, posted={1: self._own_maximum})
+        return Program(program, layout.device, posted={1: self._own_maximum})
 
     def _landed(self, t: int, a: int, b: int) -> Action | None:
         """Off the critical path, once round ``t``'s piece has landed and round ``t + 1``'s is on
@@ -214,70 +216,64 @@ class CerarRun:
         """One call on ``flat`` (this layout's size and dtype) at ``scale``: the rounds, then the
         decision. ``gate``: a handshake to finish once round 1 is on the wire
         (:func:`cerar.comm.ring.engine.run_program`)."""
-        data_exponent = scale.split()[1]
-        self._arm(flat, scale, write_nonfinite, data_exponent)
+        call = self._start(flat, scale, write_nonfinite)
+        self._arm(call)
         try:
             try:
                 run_program(self.ring, stats, self.program, gate=gate)
             finally:
                 stats.bytes_sent -= self.control_bytes
                 stats.bytes_received -= self.control_bytes
-                if data_exponent:  # held only by calls at the ends of the range
+                if call.data_exponent:  # held only by calls at the ends of the range
                     stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
                     WORKSPACE.release("scaled_input")
-            stats.encode_s += self.encode_s
-            stats.decode_s += self.decode_s
-            stats.coding_cpu_s += self.coding_cpu_s
+            call.times.add_to(stats)
             stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
-            return CerarOutcome(maxima=self.maxima, written=self.decide())  # decided here if there was no piece
+            return CerarOutcome(maxima=call.maxima, written=call.decide())  # decided here if there was no piece
         finally:
-            self.flat, self.scale = None, None
-            self.columns.clear()
+            self._arm(None)
 
-    def _arm(self, flat: torch.Tensor, scale: PacketScale, write_nonfinite: bool, data_exponent: int) -> None:
+    def _start(self, flat: torch.Tensor, scale: PacketScale, write_nonfinite: bool) -> CerarCall:
         """This call's state: the input's rows per piece as ``(w, c)`` views (the last piece
         copied and zero padded if ``c`` does not divide ``d``), of ``flat`` or, near the ends of
         the dtype's range, of a copy divided by ``2**q`` (exact), released after the call."""
-        if flat.numel() != self.d or flat.dtype != self.dtype:
+        layout = self.layout
+        c, d = layout.c, layout.d
+        if flat.numel() != d or flat.dtype != layout.dtype:
             raise ValueError(
-                f"Argument 'flat' must hold {self.d} values of {self.dtype}, not {flat.numel()} of {flat.dtype}."
+                f"Argument 'flat' must hold {d} values of {layout.dtype}, not {flat.numel()} of {flat.dtype}."
             )
-        self.flat, self.scale, self.write_nonfinite = flat, scale, write_nonfinite
-        self.data_exponent = data_exponent
-        self.encode_s = self.decode_s = self.coding_cpu_s = 0.0
-        self.maxima, self.written = [], None
+        data_exponent = scale.split()[1]
         self.chain.reset()
-        c, d = self.c, self.d
         source = flat
         if data_exponent:
-            source = WORKSPACE.get("scaled_input", (d,), self.dtype, self.device)
+            source = WORKSPACE.get("scaled_input", (d,), layout.dtype, layout.device)
             torch.mul(flat, math.ldexp(1.0, -data_exponent), out=source)
-        self.columns.clear()
-        for a, b in self.pieces:
-            if b <= self.full_rows:
-                self.columns[a] = source[a * c : b * c].view(b - a, c)
+        columns = {}
+        for a, b in layout.pieces:
+            if b <= layout.full_rows:
+                columns[a] = source[a * c : b * c].view(b - a, c)
             else:
-                padded = WORKSPACE.get("tail", (b - a, c), self.dtype, self.device)
+                padded = WORKSPACE.get("tail", (b - a, c), layout.dtype, layout.device)
                 padded.view(-1)[: d - a * c].copy_(source[a * c :])
                 padded.view(-1)[d - a * c :].zero_()
-                self.columns[a] = padded
+                columns[a] = padded
+        return CerarCall(
+            flat=flat, columns=columns, data_exponent=data_exponent,
+            scale=scale, write_nonfinite=write_nonfinite, chain=self.chain, next_round=layout.rounds + 1,
+        )  # fmt: skip
 
-    def decide(self) -> bool:
-        """Whether to write the sum, the same on every rank, asked once: every rank's data fitted
-        the packet scale, or held NaN/Inf and the call writes it anyway (``nonfinite="ignore"``)."""
-        if self.written is None:
-            self.maxima.extend(self.chain.maxima(self.rounds + 1))
-            if all(math.isfinite(v) for v in self.maxima):
-                assert self.scale is not None
-                self.written = self.scale.admits(max(self.maxima))
-            else:
-                self.written = self.write_nonfinite
-        return self.written
+    def _arm(self, call: CerarCall | None) -> None:
+        """Hand the call to the ops bound into the program (``None``: drop it); nothing is rebound."""
+        self.call = call
+        self.encode.arm(call)
+        self.decode.arm(call)
 
     # The ops bound into the program that need this call's input or state.
 
     def _own_maximum(self) -> None:
-        self.chain.set_own_from(self.flat)  # one pass over the input, while round 1 is on the wire
+        assert self.call is not None  # armed by run()
+        self.chain.set_own_from(self.call.flat)  # one pass over the input, while round 1 is on the wire
 
     def _first_round(self, a: int, out: torch.Tensor, increment: torch.Tensor) -> None:
         self.encode.first(a)

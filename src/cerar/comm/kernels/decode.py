@@ -1,5 +1,7 @@
 """CERAR's decode on one rank: each piece's sum ``S_hat = D X + W R``, by one of two small objects
-:class:`cerar.comm.kernels.cerar_run.CerarRun` chooses between:
+:class:`cerar.comm.kernels.cerar_run.CerarRun` chooses between (built on the layout,
+:class:`cerar.comm.kernels.cerar_state.CerarLayout`, and armed with each call,
+:class:`cerar.comm.kernels.cerar_state.CerarCall`):
 
 * :class:`CompiledDecode`: the whole sum of a piece in one compiled pass once its last
   observation lands (:mod:`cerar.comm.kernels.native`, CPU float32, up to 32 components);
@@ -11,8 +13,8 @@
   after the last byte is one piece's last group.
 
 Both write the piece's sum, times ``2**q`` (the scale of a copied input), over its input only
-if :meth:`cerar.comm.kernels.cerar_run.CerarRun.decide` says so, and time themselves into the
-run's ``decode_s`` and ``coding_cpu_s``. Three one-pass forms save a pass each and return,
+if :meth:`cerar.comm.kernels.cerar_state.CerarCall.decide` says so, and time themselves into the
+call's ``decode_s`` and ``coding_cpu_s``. Three one-pass forms save a pass each and return,
 bitwise, what the separate passes they replace return: :func:`own_part_target`,
 :func:`write_transposed` and :func:`cerar.comm.kernels.encode.add_rounded`. (Compiled kernels from
 ``torch.compile`` were measured too and not kept: each call pays dynamo's guard checks, more
@@ -24,18 +26,14 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
 
 import torch
 
+from cerar.comm.kernels.cerar_state import Armed, CerarCall, CerarLayout
 from cerar.comm.kernels.native import FusedDecoder
 from cerar.comm.kernels.plans import ScaledMatrices, slot_groups
 from cerar.comm.kernels.workspace import WORKSPACE
 from cerar.comm.ring.engine import Action
-
-#: The :class:`cerar.comm.kernels.cerar_run.CerarRun` that owns the object: its layout, buffers and
-#: the call's state (typed loosely: the run imports this module).
-Run = Any
 
 __all__ = [
     "CompiledDecode",
@@ -105,91 +103,96 @@ def scale_by_power_of_two(tensor: torch.Tensor, exponent: int) -> None:
         exponent -= step
 
 
-def _output(run: Run, a: int, b: int) -> torch.Tensor:
+def _output(layout: CerarLayout, call: CerarCall, a: int, b: int) -> torch.Tensor:
     """Where piece ``[a, b)``'s sum is written: its rows, or flat's where the rows are the scaled
     copy's (the last, copied piece is written back by :func:`_write_back`)."""
-    c, out = run.c, run.columns[a]
-    if run.data_exponent and b <= run.full_rows:
-        out = run.flat[a * c : b * c].view(b - a, c)
+    c, out = layout.c, call.columns[a]
+    if call.data_exponent and b <= layout.full_rows:
+        out = call.flat[a * c : b * c].view(b - a, c)
     return out
 
 
-def _write_back(run: Run, a: int, b: int, out: torch.Tensor) -> None:
-    if b > run.full_rows:  # the copied last piece: its values back into flat
-        run.flat[a * run.c :].copy_(out.view(-1)[: run.d - a * run.c])
+def _write_back(layout: CerarLayout, call: CerarCall, a: int, b: int, out: torch.Tensor) -> None:
+    if b > layout.full_rows:  # the copied last piece: its values back into flat
+        call.flat[a * layout.c :].copy_(out.view(-1)[: layout.d - a * layout.c])
 
 
-class CompiledDecode:
+class CompiledDecode(Armed):
     """A piece's whole sum in one compiled pass, once its last slot is in."""
 
-    __slots__ = ("decoder", "run")
+    __slots__ = ("decoder", "layout")
 
-    def __init__(self, run: Run, decoder: FusedDecoder) -> None:
-        self.run, self.decoder = run, decoder
+    def __init__(self, layout: CerarLayout, decoder: FusedDecoder) -> None:
+        super().__init__()
+        self.layout, self.decoder = layout, decoder
 
     def landed(self, t: int, a: int, b: int) -> Action | None:
-        return functools.partial(self.decode, a, b) if t == self.run.rounds else None
+        return functools.partial(self.decode, a, b) if t == self.layout.rounds else None
 
     def decode(self, a: int, b: int) -> None:
-        """The piece's sum written over its input, times ``2**q``, if the run decides to write;
+        """The piece's sum written over its input, times ``2**q``, if the call decides to write;
         otherwise nothing is read or written."""
-        run = self.run
-        if not run.decide():
+        layout, call = self.layout, self.call
+        assert call is not None  # armed by the run for its call
+        if not call.decide():
             return
         began, cpu = time.perf_counter(), time.thread_time()
-        out = _output(run, a, b)
-        f = run.front
-        self.decoder.decode(run.columns[a], run.observations[:, f + a : f + b], math.ldexp(1.0, run.data_exponent), out)
-        _write_back(run, a, b, out)
-        run.decode_s += time.perf_counter() - began
-        run.coding_cpu_s += time.thread_time() - cpu
+        out = _output(layout, call, a, b)
+        f = layout.front
+        observed = layout.observations[:, f + a : f + b]
+        self.decoder.decode(call.columns[a], observed, math.ldexp(1.0, call.data_exponent), out)
+        _write_back(layout, call, a, b, out)
+        call.times.decode_s += time.perf_counter() - began
+        call.times.coding_cpu_s += time.thread_time() - cpu
 
 
-class FoldedDecode:
+class FoldedDecode(Armed):
     """The torch ops: a group of slots folded into the piece's sum as its last slot lands."""
 
-    __slots__ = ("decode_own", "folds", "group_of_last_slot", "group_weights", "own_targets", "run", "totals")
+    __slots__ = ("decode_own", "folds", "group_of_last_slot", "group_weights", "layout", "own_targets", "totals")
 
-    def __init__(self, run: Run, scaled: ScaledMatrices) -> None:
-        self.run = run
+    def __init__(self, layout: CerarLayout, scaled: ScaledMatrices) -> None:
+        super().__init__()
+        self.layout = layout
         self.group_weights, self.group_of_last_slot = scaled.group_weights, scaled.group_of_last_slot
         self.decode_own = scaled.decode_own
-        c, f, acc = run.c, run.front, run.acc_dtype
-        widest = max((b - a for a, b in run.pieces), default=0)
-        own = WORKSPACE.get("own_part", (c, widest), run.dtype, run.device)
+        c, f, acc, device = layout.c, layout.front, layout.acc_dtype, layout.device
+        widest = max((b - a for a, b in layout.pieces), default=0)
+        own = WORKSPACE.get("own_part", (c, widest), layout.dtype, device)
         deepest = max(stop - start for start, stop in slot_groups(c))
-        arrived = WORKSPACE.get("arrived", (deepest, widest), acc, run.device)
-        totals = WORKSPACE.get("decoded", (c * run.m,), acc, run.device)
+        arrived = WORKSPACE.get("arrived", (deepest, widest), acc, device)
+        totals = WORKSPACE.get("decoded", (c * layout.m,), acc, device)
         # Per piece: its sum (c, w) in the accumulator's dtype, contiguous; the own part's target;
         # per group of slots, the scratch it is widened into and the slots it reads.
-        self.totals = {a: totals[c * a : c * b].view(c, b - a) for a, b in run.pieces}
-        self.own_targets = {a: own_part_target(self.totals[a], own[:, : b - a]) for a, b in run.pieces}
+        self.totals = {a: totals[c * a : c * b].view(c, b - a) for a, b in layout.pieces}
+        self.own_targets = {a: own_part_target(self.totals[a], own[:, : b - a]) for a, b in layout.pieces}
         self.folds = {
-            (a, start): (arrived[: stop - start, : b - a], run.observations[start:stop, f + a : f + b])
-            for a, b in run.pieces
+            (a, start): (arrived[: stop - start, : b - a], layout.observations[start:stop, f + a : f + b])
+            for a, b in layout.pieces
             for start, stop in slot_groups(c)
         }
 
     def landed(self, t: int, a: int, b: int) -> Action | None:
-        group = self.group_of_last_slot.get(t - self.run.first_observed)
+        group = self.group_of_last_slot.get(t - self.layout.first_observed)
         return None if group is None else functools.partial(self.fold, t, a, b, group)
 
     def fold(self, t: int, a: int, b: int, group: tuple[int, int]) -> None:
         """Fold a group of slots into the piece's sum (the own part ``D X`` with the first); after
-        the last round, write the sum if the run decides to."""
-        run = self.run
+        the last round, write the sum if the call decides to."""
+        layout, call = self.layout, self.call
+        assert call is not None  # armed by the run for its call
         began, cpu = time.perf_counter(), time.thread_time()
         start, _ = group
         acc = self.totals[a]
         arrived, observed = self.folds[(a, start)]
         arrived.copy_(observed)
         # The own part straight into the accumulator where the dtypes agree (16-bit packets).
-        begin = own_part(self.decode_own, run.columns[a], self.own_targets[a]) if start == 0 else None
-        fold_slots(acc, arrived, self.group_weights[start], begin, run.rows_scale)
-        if t == run.rounds and run.decide():
-            out = _output(run, a, b)
+        begin = own_part(self.decode_own, call.columns[a], self.own_targets[a]) if start == 0 else None
+        fold_slots(acc, arrived, self.group_weights[start], begin, layout.rows_scale)
+        if t == layout.rounds and call.decide():
+            out = _output(layout, call, a, b)
             write_transposed(acc, out)
-            scale_by_power_of_two(out, run.data_exponent)  # exact, in the data's dtype
-            _write_back(run, a, b, out)
-        run.decode_s += time.perf_counter() - began
-        run.coding_cpu_s += time.thread_time() - cpu
+            scale_by_power_of_two(out, call.data_exponent)  # exact, in the data's dtype
+            _write_back(layout, call, a, b, out)
+        call.times.decode_s += time.perf_counter() - began
+        call.times.coding_cpu_s += time.thread_time() - cpu

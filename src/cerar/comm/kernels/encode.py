@@ -1,6 +1,7 @@
 """CERAR's encode on one rank: every round's increment ``X f_t`` of each piece, computed ahead of
 the round that sends it, by one of two small objects :class:`cerar.comm.kernels.cerar_run.CerarRun`
-chooses between:
+chooses between (built on the layout, :class:`cerar.comm.kernels.cerar_state.CerarLayout`, and
+armed with each call, :class:`cerar.comm.kernels.cerar_state.CerarCall`):
 
 * :class:`CompiledEncode`: every round's increments of a piece in one pass over its input, in
   round 1 (:mod:`cerar.comm.kernels.native`, CPU float32, codes of 8, 16, 24 or 32 components);
@@ -9,25 +10,21 @@ chooses between:
   matrix-vector product per round), a batch ahead of the rounds that send them.
 
 Sending a piece then costs one add (received piece + increment, :func:`add_rounded` for a 16-bit
-packet). Both time themselves into the run's ``encode_s`` and ``coding_cpu_s``.
+packet). Both time themselves into the call's ``encode_s`` and ``coding_cpu_s``.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any
 
 import torch
 
+from cerar.comm.kernels.cerar_state import Armed, CerarLayout
 from cerar.comm.kernels.native import FusedEncoder
 from cerar.comm.kernels.plans import ScaledMatrices
 from cerar.comm.kernels.workspace import WORKSPACE
 from cerar.comm.ring.engine import Action
-
-#: The :class:`cerar.comm.kernels.cerar_run.CerarRun` that owns the object: its layout, buffers and
-#: the call's state (typed loosely: the run imports this module).
-Run = Any
 
 __all__ = ["BatchedEncode", "CompiledEncode", "add_rounded", "encode_rounds"]
 
@@ -49,45 +46,47 @@ def add_rounded(increment: torch.Tensor, received: torch.Tensor, out: torch.Tens
     return torch.add(increment, received, out=out)
 
 
-def _increments(run: Run, rows: int) -> dict[int, torch.Tensor]:
+def _increments(layout: CerarLayout, rows: int) -> dict[int, torch.Tensor]:
     """Per piece (keyed by its first column): its ``(rows, w)`` increments, contiguous."""
-    held = WORKSPACE.get("increments", (rows * run.m,), run.dtype, run.device)
-    return {a: held[rows * a : rows * b].view(rows, b - a) for a, b in run.pieces}
+    held = WORKSPACE.get("increments", (rows * layout.m,), layout.dtype, layout.device)
+    return {a: held[rows * a : rows * b].view(rows, b - a) for a, b in layout.pieces}
 
 
-class CompiledEncode:
+class CompiledEncode(Armed):
     """Every round's increments of a piece, in round 1, in one compiled pass (the input read once)."""
 
-    __slots__ = ("encoder", "increments", "run")
+    __slots__ = ("encoder", "increments")
 
-    def __init__(self, run: Run, encoder: FusedEncoder) -> None:
-        self.run, self.encoder = run, encoder
-        self.increments = _increments(run, run.rounds)
+    def __init__(self, layout: CerarLayout, encoder: FusedEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.increments = _increments(layout, layout.rounds)
 
     def increment(self, a: int, t: int) -> torch.Tensor:
         """Round ``t``'s increment row of the piece starting at column ``a``."""
         return self.increments[a][t - 1]
 
     def first(self, a: int) -> None:
-        run = self.run
+        call = self.call
+        assert call is not None  # armed by the run for its call
         began, cpu = time.perf_counter(), time.thread_time()
-        self.encoder.encode(run.columns[a], self.increments[a])
-        run.encode_s += time.perf_counter() - began
-        run.coding_cpu_s += time.thread_time() - cpu
+        self.encoder.encode(call.columns[a], self.increments[a])
+        call.times.encode_s += time.perf_counter() - began
+        call.times.coding_cpu_s += time.thread_time() - cpu
 
     def landed(self, t: int, a: int) -> Action | None:
         return None  # all encoded in round 1
 
 
-class BatchedEncode:
+class BatchedEncode(Armed):
     """The torch ops: a batch of rounds' increments at a time, a batch ahead (see the module doc)."""
 
-    __slots__ = ("batch_of", "batch_rows", "increments", "run")
+    __slots__ = ("batch_of", "batch_rows", "increments")
 
-    def __init__(self, run: Run, scaled: ScaledMatrices) -> None:
-        self.run = run
+    def __init__(self, layout: CerarLayout, scaled: ScaledMatrices) -> None:
+        super().__init__()
         self.batch_rows, self.batch_of = scaled.batch_rows, scaled.batch_of
-        self.increments = _increments(run, scaled.per_product)
+        self.increments = _increments(layout, scaled.per_product)
 
     def increment(self, a: int, t: int) -> torch.Tensor:
         return self.increments[a][self.batch_of[t][1]]
@@ -105,8 +104,9 @@ class BatchedEncode:
 
     def batch(self, j: int, a: int) -> None:
         """Batch ``j``'s increments of the piece starting at column ``a``."""
-        run = self.run
+        call = self.call
+        assert call is not None  # armed by the run for its call
         began, cpu = time.perf_counter(), time.thread_time()
-        encode_rounds(self.batch_rows[j], run.columns[a], self.increments[a])
-        run.encode_s += time.perf_counter() - began
-        run.coding_cpu_s += time.thread_time() - cpu
+        encode_rounds(self.batch_rows[j], call.columns[a], self.increments[a])
+        call.times.encode_s += time.perf_counter() - began
+        call.times.coding_cpu_s += time.thread_time() - cpu
