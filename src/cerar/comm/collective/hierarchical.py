@@ -63,7 +63,7 @@ from cerar.coding.code import Code
 from cerar.comm.collective.call import NonFiniteError, Working, _items, cerar_call, ring_call
 from cerar.comm.collective.codes import resolve_code
 from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.groups import count_call, group_state, ring_of
+from cerar.comm.ring.groups import count_call, group_state, require_initialised, ring_of
 from cerar.comm.ring.handshake import Summary, handshake, settings_hash
 from cerar.comm.ring.links import Ring, RingError, group_timeout, post_pair, wait_for
 from cerar.comm.ring.stats import CommStats
@@ -112,8 +112,7 @@ def node_layout(group: dist.ProcessGroup | None = None, ranks_per_node: int | No
        ``GROUP_RANK``, where set, must agree with ranks being numbered node by node
        (``rank = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``), as torchrun numbers them.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    require_initialised()
     rank = dist.get_rank(group)
     if rank < 0:
         return None

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from cerar.coding.code import Code
 from cerar.comm.ddp.state import CerarState, logger
 from cerar.comm.ring.exact import new_group_like
+from cerar.comm.ring.groups import require_initialised
 
 if TYPE_CHECKING:
     from cerar.comm.collective.hierarchical import NodeLayout
@@ -75,10 +76,7 @@ class HierarchicalState(CerarState):
         from cerar.comm.collective.hierarchical import node_layout
 
         if self._comm_group is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
-                    "HierarchicalState needs torch.distributed initialised; call init_process_group first."
-                )
+            require_initialised("HierarchicalState")
             layout = node_layout(self.process_group, self.ranks_per_node)
             if layout is None:
                 raise RuntimeError("HierarchicalState: this rank is not a member of its process group.")
