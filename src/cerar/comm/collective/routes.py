@@ -53,11 +53,12 @@ from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 from cerar.comm.collective.call import agree_call, cerar_call, ring_call
 from cerar.comm.collective.checks import check_op, check_packet_dtype, check_stats, check_tensor
 from cerar.comm.collective.codes import check_usable, code_within, default_code, working_dtype
-from cerar.comm.collective.hierarchical import hierarchical_call, prepare_nodes
+from cerar.comm.collective.hierarchical import hierarchical_call
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.quant_call import quant_ring_call
 from cerar.comm.ring.exact import exact_all_reduce
 from cerar.comm.ring.groups import ring_of
+from cerar.comm.ring.nodes import prepare_nodes
 from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.thread import COMM
 from cerar.comm.ring.work import Work, forward
