@@ -45,7 +45,6 @@ per ``(group, ranks_per_node)``); this module is one call's body.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,10 +52,9 @@ import torch
 import torch.distributed as dist
 
 from cerar.coding.code import Code
-from cerar.comm.collective.call import NonFiniteError, Working, _items, cerar_call, ring_call
+from cerar.comm.collective.call import NonFiniteError, _items, call_context, cerar_call, ring_call
 from cerar.comm.collective.codes import resolve_code
 from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.groups import count_call, group_state
 from cerar.comm.ring.handshake import Summary, handshake, max_around, settings_hash
 from cerar.comm.ring.layout import NodeLayout, node_layout
 from cerar.comm.ring.links import Ring, RingError
@@ -86,67 +84,54 @@ def hierarchical_call(
 ) -> None:
     """One hierarchical call (``context``: a layer above's settings, agreed in its handshake).
 
-    1. Count it on the group and run the handshake over the group's ring.
+    1. Open it (:func:`cerar.comm.collective.call.call_context`: its number, its statistics, the
+       working copy) and run the handshake over the group's ring.
     2. Reduce-scatter inside the node into this local rank's shard.
     3. All-reduce the shard across nodes (CERAR or the exact ring, via the collective's own
-       call on the ring of this local rank, with its handshake, scaling and fallback).
+       call on the ring of this local rank, with its handshake, scaling and fallback, a stage
+       of this call whose figures it records).
     4. ``nonfinite="raise"``: the nodes' ranks agree whether any shard fell back; if so,
        every rank raises naming the ranks with NaN/Inf, the tensor unchanged.
     5. Divide (``avg``) and all-gather inside the node; write back.
     """
     layout = nodes.layout
-    counter = count_call(nodes.group)
-    started = time.perf_counter()
-    call = CommStats()
-    crossed = False  # the call across nodes ran and recorded itself in the group's statistics
-    try:
-        with Working(tensor) as flat:
-            m = layout.nodes
-            if m > 1 and method == "cerar":
-                code = code if code is not None else resolve_code(m, tensor.dtype, packet_dtype)
-            fingerprint = code.fingerprint if code is not None else None
-            identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
-            identity += (nonfinite, str(packet_dtype), *_items(context))
-            summary: Summary = (
-                f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
-                f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}, packets {packet_dtype}"
-            )
-            if context is not None:
-                summary = {**context, "method": f"hier-{method}, {code!r}", "packets": packet_dtype}
-            handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device)
-            if layout.world_size == 1:
-                return
-            d = flat.numel()
-            shard_size = math.ceil(d / layout.ranks_per_node)
-            padded = WORKSPACE.padded("hier_padded", flat, shard_size * layout.ranks_per_node)
-            shard = padded
-            if nodes.node_group is not None:
-                shard = WORKSPACE.get("hier_shard", (shard_size,), flat.dtype, flat.device)
-                _in_node(nodes, "reduce-scatter", dist.reduce_scatter_tensor, shard, padded)
-            if nodes.cross is not None:
-                inner = CommStats()
-                crossed = True
-                if method == "cerar":
-                    policy = "ignore" if nonfinite == "ignore" else "exact"
-                    cerar_call(shard, "sum", nodes.cross, code, policy, inner, packet_dtype)
-                else:
-                    ring_call(shard, "sum", nodes.cross, None, inner)
-                call.add(inner)
-            if nonfinite == "raise" and method == "cerar":
-                _raise_if_nonfinite(nodes, call, flat)
-            if op == "avg":
-                shard.div_(layout.world_size)
-            if nodes.node_group is not None:
-                _in_node(nodes, "all-gather", dist.all_gather_into_tensor, padded, shard)
-            if padded is not flat:
-                flat.copy_(padded[:d])
-    finally:
-        wall = time.perf_counter() - started
-        if not crossed:
-            group_state(nodes.group).stats.add(CommStats(calls=1, wall_s=wall))
-        call.calls, call.wall_s = 1, wall
-        if stats is not None:
-            stats.add(call)
+    with call_context(tensor, nodes.flat, stats) as (flat, call, counter):
+        m = layout.nodes
+        if m > 1 and method == "cerar":
+            code = code if code is not None else resolve_code(m, tensor.dtype, packet_dtype)
+        fingerprint = code.fingerprint if code is not None else None
+        identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
+        identity += (nonfinite, str(packet_dtype), *_items(context))
+        summary: Summary = (
+            f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
+            f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}, packets {packet_dtype}"
+        )
+        if context is not None:
+            summary = {**context, "method": f"hier-{method}, {code!r}", "packets": packet_dtype}
+        handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device, stats=call)
+        if layout.world_size == 1:
+            return
+        d = flat.numel()
+        shard_size = math.ceil(d / layout.ranks_per_node)
+        padded = WORKSPACE.padded("hier_padded", flat, shard_size * layout.ranks_per_node)
+        shard = padded
+        if nodes.node_group is not None:
+            shard = WORKSPACE.get("hier_shard", (shard_size,), flat.dtype, flat.device)
+            _in_node(nodes, "reduce-scatter", dist.reduce_scatter_tensor, shard, padded)
+        if nodes.cross is not None:  # a stage of this call: its figures are this call's
+            if method == "cerar":
+                policy = "ignore" if nonfinite == "ignore" else "exact"
+                cerar_call(shard, "sum", nodes.cross, code, policy, None, packet_dtype, within=call)
+            else:
+                ring_call(shard, "sum", nodes.cross, None, None, within=call)
+        if nonfinite == "raise" and method == "cerar":
+            _raise_if_nonfinite(nodes, call, flat)
+        if op == "avg":
+            shard.div_(layout.world_size)
+        if nodes.node_group is not None:
+            _in_node(nodes, "all-gather", dist.all_gather_into_tensor, padded, shard)
+        if padded is not flat:
+            flat.copy_(padded[:d])
 
 
 def _in_node(nodes: Nodes, what: str, collective: Callable[..., Any], *args: Any) -> None:
