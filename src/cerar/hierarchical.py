@@ -1,13 +1,14 @@
 """``cerar.hierarchical``: the collective for clusters of nodes, exact inside each node and CERAR
 or the exact ring between nodes.
 
-Defined in :mod:`cerar.comm.collective.hierarchical` (the layout and one call's body) and
-:mod:`cerar.comm.collective.api` (the calls); this module re-exports their public names.
+Defined in :mod:`cerar.comm.ring.layout` (the layout), :mod:`cerar.comm.collective.hierarchical`
+(one call's body) and :mod:`cerar.comm.collective.api` (the calls); this module re-exports their
+public names.
 """
 
 from cerar.comm.collective.api import hierarchical_all_reduce, hierarchical_ring_all_reduce
-from cerar.comm.collective.hierarchical import NodeLayout, node_layout
 from cerar.comm.ring.handshake import SettingsMismatchError
+from cerar.comm.ring.layout import NodeLayout, node_layout
 
 __all__ = [
     "NodeLayout",

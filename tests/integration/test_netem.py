@@ -10,7 +10,7 @@ import sys
 import pytest
 from processes import alive
 
-from cerar.harness import netem
+from cerar.harness import netem, probe
 
 needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None, reason=str(netem.unavailable_reason()))
 
@@ -90,7 +90,7 @@ def test_network_built_and_removed() -> None:
         ).stdout
         assert "tbf" in shown and "100Mbit" in shown
         sleeper = subprocess.Popen([*net.exec_prefix(2), "sleep", "60"])
-        rate = netem.measure_link_rate(net, seconds=0.2)
+        rate = probe.measure_link_rate(net, seconds=0.2)
         assert rate > 0
     assert netem.leftovers(net.run_id) == {"namespaces": [], "links": [], "processes": []}
     sleeper.wait(timeout=10)  # teardown killed it

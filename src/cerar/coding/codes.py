@@ -1,10 +1,10 @@
 """The code constructions, as users know them (``cerar.codes``), and their one registry.
 
 ``exact``, ``perturbed`` and ``vandermonde`` live in :mod:`cerar.coding.constructions`,
-``optimized`` and ``choose`` in :mod:`cerar.coding.optimize`; this module re-exports them and
-holds :data:`CONSTRUCTIONS`, the table every command that takes a construction by name (``cerar
-design``, the benchmark, the studies) builds its codes from, so that a new construction is added
-in one place. Pure numpy/scipy: never imports torch.
+``optimized`` in :mod:`cerar.coding.optimize` and ``choose`` in :mod:`cerar.coding.choose`; this
+module re-exports them and holds :data:`CONSTRUCTIONS`, the table every command that takes a
+construction by name (``cerar design``, the benchmark, the studies) builds its codes from, so that
+a new construction is added in one place. Pure numpy/scipy: never imports torch.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from cerar._checks import check_choice
+from cerar.coding.choose import choose
 from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.constructions import MAX_COMPONENTS, check_design, cluster_sizes, exact, perturbed, vandermonde
-from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS, choose, optimized
+from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS, optimized
 
 __all__ = [
     "CONSTRUCTIONS",

@@ -60,8 +60,8 @@ from cerar.harness.netem import (
     check_rate,
     emulated_network,
     free_loopback_port,
-    measure_link_rate,
 )
+from cerar.harness.probe import measure_link_rate
 from cerar.harness.processes import LaunchError, LineCallback, RankProcesses, RankResult, describe_returncode
 from cerar.harness.torchrun import RENDEZVOUS, NodeProcesses
 

@@ -3,8 +3,9 @@ the hierarchical ones (:mod:`cerar.comm.collective.hierarchical`); they run on t
 thread.
 
 * :func:`call_context` opens a call: its number on the group (counted first), its statistics
-  (timed and recorded even when the call fails) and the contiguous working copy, written back on
-  success (:class:`Working`);
+  (timed and recorded even when the call fails, once: a call that is a stage of another, the
+  hierarchical call's ring between nodes, records into that call's) and the contiguous working
+  copy, written back on success (:class:`Working`);
 * :func:`cerar_call` and :func:`ring_call` are one call each, top to bottom: the handshake, the
   packet scale (:class:`cerar.comm.kernels.scale.PacketScale`), the rounds, the redo, the
   non-finite policy.
@@ -13,6 +14,7 @@ thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -42,11 +44,14 @@ class NonFiniteError(ValueError):
 
 @contextlib.contextmanager
 def call_context(
-    tensor: torch.Tensor, ring: Ring, stats: CommStats | None
+    tensor: torch.Tensor, ring: Ring, stats: CommStats | None, within: CommStats | None = None
 ) -> Iterator[tuple[torch.Tensor, CommStats, int]]:
     """One call on the communication thread: ``(flat working tensor, its CommStats, its number
     on the group)``. The number is taken first; the statistics are timed and added to the
-    group's (and ``stats``) even when the call fails; the result is written back on success."""
+    group's (and ``stats``) even when the call fails; the result is written back on success.
+    ``within``: the statistics of the call this one is a stage of (the hierarchical call's ring
+    between nodes), which get its figures instead of the group, less its count and time (the
+    enclosing call counts and times itself)."""
     counter = count_call(ring.group)
     started = time.perf_counter()
     call = CommStats(calls=1)
@@ -55,7 +60,10 @@ def call_context(
             yield flat, call, counter
     finally:
         call.wall_s = time.perf_counter() - started
-        group_state(ring.group).stats.add(call)
+        if within is not None:
+            within.add(dataclasses.replace(call, calls=0, wall_s=0.0))
+        else:
+            group_state(ring.group).stats.add(call)
         if stats is not None:
             stats.add(call)
 
@@ -71,11 +79,14 @@ def cerar_call(
     fresh_scale: bool = False,
     context: Mapping[str, Any] | None = None,
     max_error: float | None = None,
+    *,
+    within: CommStats | None = None,
 ) -> None:
     """One CERAR call; ``context``: the settings of a layer above (``method="auto"``'s) that every
     rank must share too, agreed in the same handshake and named first on a mismatch;
-    ``max_error``: the caller's limit, which chose the code, agreed likewise."""
-    with call_context(tensor, ring, stats) as (flat, call, counter):
+    ``max_error``: the caller's limit, which chose the code, agreed likewise; ``within``: as
+    :func:`call_context`'s."""
+    with call_context(tensor, ring, stats, within) as (flat, call, counter):
         if ring.size == 1:
             return
         packet = packet_dtype or flat.dtype
@@ -165,9 +176,11 @@ def ring_call(
     wire_dtype: torch.dtype | None,
     stats: CommStats | None,
     context: Mapping[str, Any] | None = None,
+    *,
+    within: CommStats | None = None,
 ) -> None:
-    """One exact ring call (``context`` as :func:`cerar_call`'s)."""
-    with call_context(tensor, ring, stats) as (flat, call, counter):
+    """One exact ring call (``context`` and ``within`` as :func:`cerar_call`'s)."""
+    with call_context(tensor, ring, stats, within) as (flat, call, counter):
         if ring.size == 1:
             return
         wire = wire_dtype or flat.dtype

@@ -37,197 +37,34 @@ Bytes: ``CommStats.bytes_sent`` counts what this rank sent between nodes, measur
 transport (the built-in node collectives are not counted); a node's link carries the sum over
 its ``G`` ranks.
 
-Layout: the node groups (``dist.new_group``, a collective) are created once per
-``(group, ranks_per_node)`` on the caller's thread, in the same order on every rank, and cached;
-for the default group every rank creates every node's group, for a subgroup each member creates
-its own node's (``use_local_synchronization``). The rings between nodes need no group of their
-own: they are point-to-point on the parent group between the ranks of equal local rank.
+Layout: :mod:`cerar.comm.ring.layout` (:class:`NodeLayout`, from ``ranks_per_node`` or torchrun's
+variables) and :mod:`cerar.comm.ring.nodes` (the node groups and the rings between nodes, made once
+per ``(group, ranks_per_node)``); this module is one call's body.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import threading
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_int
 from cerar.coding.code import Code
-from cerar.comm.collective.call import NonFiniteError, Working, _items, cerar_call, ring_call
+from cerar.comm.collective.call import NonFiniteError, _items, call_context, cerar_call, ring_call
 from cerar.comm.collective.codes import resolve_code
 from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.groups import count_call, group_state, ring_of
-from cerar.comm.ring.handshake import Summary, handshake, settings_hash
-from cerar.comm.ring.links import Ring, RingError, group_timeout, post_pair, wait_for
+from cerar.comm.ring.handshake import Summary, handshake, max_around, settings_hash
+from cerar.comm.ring.layout import NodeLayout, node_layout
+from cerar.comm.ring.links import Ring, RingError
+from cerar.comm.ring.nodes import Nodes, prepare_nodes
 from cerar.comm.ring.stats import CommStats
-from cerar.comm.ring.thread import COMM
 
 __all__ = ["NodeLayout", "hierarchical_call", "node_layout", "prepare_nodes"]
 
 #: Point-to-point tag of the failure path's non-finite flags (the collective's use 0x0CE0..0x0CE3).
 NONFINITE_TAG = 0x0CE8
-
-
-@dataclass(frozen=True)
-class NodeLayout:
-    """This rank's place in a group of ``nodes x ranks_per_node`` ranks (group numbering).
-
-    Attributes:
-        world_size: ranks in the group (``N = nodes * ranks_per_node``).
-        ranks_per_node: ``G``, ranks on each node.
-        nodes: ``M``, nodes in the group.
-        rank: this rank's group rank, ``node * G + local_rank``.
-        node: this rank's node, ``0 .. M - 1``.
-        local_rank: this rank's place on its node, ``0 .. G - 1``.
-    """
-
-    world_size: int
-    ranks_per_node: int
-    nodes: int
-    rank: int
-    node: int
-    local_rank: int
-
-    def node_ranks(self, node: int) -> list[int]:
-        """The group ranks of ``node``."""
-        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
-
-    def cross_ranks(self, local_rank: int) -> list[int]:
-        """The group ranks of local rank ``local_rank`` on every node (one ring between nodes)."""
-        return [k * self.ranks_per_node + local_rank for k in range(self.nodes)]
-
-
-def node_layout(group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None) -> NodeLayout | None:
-    """The :class:`NodeLayout` of the calling rank in ``group`` (None for a non-member).
-
-    1. ``ranks_per_node`` given: it must be a positive integer dividing the group's size.
-    2. Otherwise (default group only) torchrun's ``LOCAL_WORLD_SIZE``; ``LOCAL_RANK`` and
-       ``GROUP_RANK``, where set, must agree with ranks being numbered node by node
-       (``rank = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``), as torchrun numbers them.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        return None
-    size = dist.get_world_size(group)
-    g = _ranks_per_node(group, rank, size, ranks_per_node)
-    return NodeLayout(size, g, size // g, rank, rank // g, rank % g)
-
-
-def _ranks_per_node(group: dist.ProcessGroup | None, rank: int, size: int, ranks_per_node: int | None) -> int:
-    if ranks_per_node is None:
-        if group is not None and group is not dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
-            raise ValueError("Argument 'ranks_per_node' must be given for a subgroup, not None.")
-        text = os.environ.get("LOCAL_WORLD_SIZE")
-        if text is None:
-            raise ValueError(
-                "Argument 'ranks_per_node' must be given when LOCAL_WORLD_SIZE is not set (torchrun sets it), not None."
-            )
-        try:
-            g = int(text)
-        except ValueError:
-            raise ValueError(f"Environment variable LOCAL_WORLD_SIZE must be an integer, not {text!r}.") from None
-        for name, expected in (("LOCAL_RANK", rank % max(g, 1)), ("GROUP_RANK", rank // max(g, 1))):
-            value = os.environ.get(name)
-            if value is not None and g > 0 and value != str(expected):
-                raise ValueError(
-                    f"Environment variable {name}={value} does not match rank {rank} with LOCAL_WORLD_SIZE={g} "
-                    f"(expected {expected}): ranks must be numbered node by node; pass ranks_per_node."
-                )
-        source = "LOCAL_WORLD_SIZE"
-    else:
-        g = check_int("ranks_per_node", ranks_per_node, minimum=1)
-        source = "ranks_per_node"
-    if g < 1 or size % g:
-        raise ValueError(f"Argument '{source}' must divide the group's size {size}, not {g}.")
-    return g
-
-
-# ---------------------------------------------------------------------------------------------
-# The node groups and rings of a (group, ranks_per_node), created once
-
-
-@dataclass(frozen=True)
-class _Nodes:
-    group: dist.ProcessGroup | None
-    layout: NodeLayout
-    flat: Ring  # the whole group's ring: the handshake and the failure path's flags
-    node_group: dist.ProcessGroup | None  # this rank's node (None when G == 1)
-    cross: Ring | None  # the ring of this local rank across nodes (None when M == 1)
-
-
-_NODES_LOCK = threading.Lock()  # the node groups live in the group's GroupState
-
-
-def prepare_nodes(group: dist.ProcessGroup | None, ranks_per_node: int | None, device: torch.device) -> _Nodes | None:
-    """This rank's :class:`_Nodes` for ``group``, set up at the first call of the pair.
-
-    1. Resolve the layout (``ranks_per_node`` or torchrun's variables); non-members get None.
-    2. At the first call for ``(group, G)``: agree on ``G`` over the group's ring, on the
-       communication thread behind the calls already queued (a mismatch raises
-       :class:`SettingsMismatchError` on every rank before any group is made).
-    3. Create the node groups on this thread, in node order, and cache them.
-    """
-    flat = ring_of(group)
-    if flat is None:
-        return None
-    layout = node_layout(group, ranks_per_node)
-    assert layout is not None
-    cache = group_state(group).nodes
-    with _NODES_LOCK:
-        cached = cache.get(layout.ranks_per_node)
-    if cached is not None:
-        return cached
-    COMM.submit(functools.partial(_agree_layout, flat, layout, device), torch.empty(0), False)
-    node_group = _node_groups(group, layout)
-    cross = _cross_ring(group, layout) if layout.nodes > 1 else None
-    nodes = _Nodes(group, layout, flat, node_group, cross)
-    with _NODES_LOCK:
-        cache[layout.ranks_per_node] = nodes
-    return nodes
-
-
-def _agree_layout(flat: Ring, layout: NodeLayout, device: torch.device) -> None:
-    counter = count_call(flat.group)
-    summary = f"hierarchical layout, {layout.nodes} nodes x {layout.ranks_per_node} ranks_per_node"
-    handshake(
-        flat,
-        settings_hash(("hierarchical-layout", layout.world_size, layout.ranks_per_node)),
-        counter,
-        summary,
-        device=device,
-    )
-
-
-def _global(group: dist.ProcessGroup | None, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def _node_groups(group: dist.ProcessGroup | None, layout: NodeLayout) -> dist.ProcessGroup | None:
-    if layout.ranks_per_node == 1:
-        return None
-    timeout = group_timeout(group)
-    members = [[_global(group, r) for r in layout.node_ranks(k)] for k in range(layout.nodes)]
-    if layout.world_size == dist.get_world_size():  # every rank of the job takes part: make all, in order
-        made = [dist.new_group(ranks=ranks, timeout=timeout) for ranks in members]
-        return made[layout.node]
-    return dist.new_group(ranks=members[layout.node], timeout=timeout, use_local_synchronization=True)
-
-
-def _cross_ring(group: dist.ProcessGroup | None, layout: NodeLayout) -> Ring:
-    """The ring of this local rank across nodes, point to point on the parent group."""
-    ranks = layout.cross_ranks(layout.local_rank)
-    m, k = layout.nodes, layout.node
-    # Its peers too: the handshake's hops need them.
-    return Ring(group, k, m, ranks[(k + 1) % m], ranks[(k - 1) % m], tuple(ranks))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +74,7 @@ def _cross_ring(group: dist.ProcessGroup | None, layout: NodeLayout) -> Ring:
 def hierarchical_call(
     tensor: torch.Tensor,
     op: str,
-    nodes: _Nodes,
+    nodes: Nodes,
     method: str,
     code: Code | None,
     nonfinite: str,
@@ -247,70 +84,57 @@ def hierarchical_call(
 ) -> None:
     """One hierarchical call (``context``: a layer above's settings, agreed in its handshake).
 
-    1. Count it on the group and run the handshake over the group's ring.
+    1. Open it (:func:`cerar.comm.collective.call.call_context`: its number, its statistics, the
+       working copy) and run the handshake over the group's ring.
     2. Reduce-scatter inside the node into this local rank's shard.
     3. All-reduce the shard across nodes (CERAR or the exact ring, via the collective's own
-       call on the ring of this local rank, with its handshake, scaling and fallback).
+       call on the ring of this local rank, with its handshake, scaling and fallback, a stage
+       of this call whose figures it records).
     4. ``nonfinite="raise"``: the nodes' ranks agree whether any shard fell back; if so,
        every rank raises naming the ranks with NaN/Inf, the tensor unchanged.
     5. Divide (``avg``) and all-gather inside the node; write back.
     """
     layout = nodes.layout
-    counter = count_call(nodes.group)
-    started = time.perf_counter()
-    call = CommStats()
-    crossed = False  # the call across nodes ran and recorded itself in the group's statistics
-    try:
-        with Working(tensor) as flat:
-            m = layout.nodes
-            if m > 1 and method == "cerar":
-                code = code if code is not None else resolve_code(m, tensor.dtype, packet_dtype)
-            fingerprint = code.fingerprint if code is not None else None
-            identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
-            identity += (nonfinite, str(packet_dtype), *_items(context))
-            summary: Summary = (
-                f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
-                f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}, packets {packet_dtype}"
-            )
-            if context is not None:
-                summary = {**context, "method": f"hier-{method}, {code!r}", "packets": packet_dtype}
-            handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device)
-            if layout.world_size == 1:
-                return
-            d = flat.numel()
-            shard_size = math.ceil(d / layout.ranks_per_node)
-            padded = WORKSPACE.padded("hier_padded", flat, shard_size * layout.ranks_per_node)
-            shard = padded
-            if nodes.node_group is not None:
-                shard = WORKSPACE.get("hier_shard", (shard_size,), flat.dtype, flat.device)
-                _in_node(nodes, "reduce-scatter", dist.reduce_scatter_tensor, shard, padded)
-            if nodes.cross is not None:
-                inner = CommStats()
-                crossed = True
-                if method == "cerar":
-                    policy = "ignore" if nonfinite == "ignore" else "exact"
-                    cerar_call(shard, "sum", nodes.cross, code, policy, inner, packet_dtype)
-                else:
-                    ring_call(shard, "sum", nodes.cross, None, inner)
-                call.add(inner)
-            if nonfinite == "raise" and method == "cerar":
-                _raise_if_nonfinite(nodes, call, flat)
-            if op == "avg":
-                shard.div_(layout.world_size)
-            if nodes.node_group is not None:
-                _in_node(nodes, "all-gather", dist.all_gather_into_tensor, padded, shard)
-            if padded is not flat:
-                flat.copy_(padded[:d])
-    finally:
-        wall = time.perf_counter() - started
-        if not crossed:
-            group_state(nodes.group).stats.add(CommStats(calls=1, wall_s=wall))
-        call.calls, call.wall_s = 1, wall
-        if stats is not None:
-            stats.add(call)
+    with call_context(tensor, nodes.flat, stats) as (flat, call, counter):
+        m = layout.nodes
+        if m > 1 and method == "cerar":
+            code = code if code is not None else resolve_code(m, tensor.dtype, packet_dtype)
+        fingerprint = code.fingerprint if code is not None else None
+        identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
+        identity += (nonfinite, str(packet_dtype), *_items(context))
+        summary: Summary = (
+            f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
+            f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}, packets {packet_dtype}"
+        )
+        if context is not None:
+            summary = {**context, "method": f"hier-{method}, {code!r}", "packets": packet_dtype}
+        handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device, stats=call)
+        if layout.world_size == 1:
+            return
+        d = flat.numel()
+        shard_size = math.ceil(d / layout.ranks_per_node)
+        padded = WORKSPACE.padded("hier_padded", flat, shard_size * layout.ranks_per_node)
+        shard = padded
+        if nodes.node_group is not None:
+            shard = WORKSPACE.get("hier_shard", (shard_size,), flat.dtype, flat.device)
+            _in_node(nodes, "reduce-scatter", dist.reduce_scatter_tensor, shard, padded)
+        if nodes.cross is not None:  # a stage of this call: its figures are this call's
+            if method == "cerar":
+                policy = "ignore" if nonfinite == "ignore" else "exact"
+                cerar_call(shard, "sum", nodes.cross, code, policy, None, packet_dtype, within=call)
+            else:
+                ring_call(shard, "sum", nodes.cross, None, None, within=call)
+        if nonfinite == "raise" and method == "cerar":
+            _raise_if_nonfinite(nodes, call, flat)
+        if op == "avg":
+            shard.div_(layout.world_size)
+        if nodes.node_group is not None:
+            _in_node(nodes, "all-gather", dist.all_gather_into_tensor, padded, shard)
+        if padded is not flat:
+            flat.copy_(padded[:d])
 
 
-def _in_node(nodes: _Nodes, what: str, collective: Callable[..., Any], *args: Any) -> None:
+def _in_node(nodes: Nodes, what: str, collective: Callable[..., Any], *args: Any) -> None:
     """Run ``collective(*args, group=node group)``; its failure becomes :class:`RingError`."""
     try:
         collective(*args, group=nodes.node_group)
@@ -322,7 +146,7 @@ def _in_node(nodes: _Nodes, what: str, collective: Callable[..., Any], *args: An
         ) from exc
 
 
-def _raise_if_nonfinite(nodes: _Nodes, call: CommStats, flat: torch.Tensor) -> None:
+def _raise_if_nonfinite(nodes: Nodes, call: CommStats, flat: torch.Tensor) -> None:
     """Raise :class:`NonFiniteError` on every rank if any shard's ring fell back to the exact
     ring (NaN/Inf there). The ranks of one ring decide alike and every node holds one rank of
     each ring, so one maximum over the node tells every rank of the group the same."""
@@ -342,14 +166,9 @@ def _raise_if_nonfinite(nodes: _Nodes, call: CommStats, flat: torch.Tensor) -> N
 
 
 def _flagged_ranks(ring: Ring, finite: bool, device: torch.device) -> list[int]:
-    """The group ranks whose input is not finite, on every rank: ``N - 1`` hops of an
-    element-wise maximum around the group's ring (the failure path only)."""
+    """The group ranks whose input is not finite, on every rank: the handshake's element-wise
+    maximum over the group's ring (the failure path only)."""
     own = torch.zeros(ring.size, dtype=torch.float64, device=device)
     own[ring.rank] = 0.0 if finite else 1.0
-    total, received = own.clone(), torch.empty_like(own)
-    for hop in range(1, ring.size):
-        recv_work, send_work = post_pair(total.clone(), received, ring, hop, NONFINITE_TAG)
-        wait_for(recv_work, ring, hop)
-        wait_for(send_work, ring, hop)
-        torch.maximum(own, received, out=total)
+    total = max_around(ring, own, NONFINITE_TAG)
     return [r for r in range(ring.size) if total[r] > 0]

@@ -53,11 +53,12 @@ from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 from cerar.comm.collective.call import agree_call, cerar_call, ring_call
 from cerar.comm.collective.checks import check_op, check_packet_dtype, check_stats, check_tensor
 from cerar.comm.collective.codes import check_usable, code_within, default_code, working_dtype
-from cerar.comm.collective.hierarchical import hierarchical_call, prepare_nodes
+from cerar.comm.collective.hierarchical import hierarchical_call
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.quant_call import quant_ring_call
 from cerar.comm.ring.exact import exact_all_reduce
 from cerar.comm.ring.groups import ring_of
+from cerar.comm.ring.nodes import prepare_nodes
 from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.thread import COMM
 from cerar.comm.ring.work import Work, forward
@@ -238,6 +239,14 @@ def _packet(route: Route, r: Request) -> torch.dtype | None:
     return route.wire_dtype if route.wire is not None else r.packet_dtype
 
 
+def _submit(r: Request, call: Callable[..., None], *args: Any) -> Work | None:
+    """Queue ``call(tensor, op, *args)`` on the communication thread: every cerar-transport row's
+    start ends here. detach(): the same storage, so the result lands in ``tensor``, without
+    autograd, which refuses in-place writes to a leaf that requires grad (dist.all_reduce also
+    bypasses it)."""
+    return COMM.submit(functools.partial(call, r.tensor.detach(), r.op, *args), r.tensor, r.async_op)
+
+
 def _start_cerar(route: Route, r: Request) -> Work | None:
     ring = ring_of(r.group)
     if ring is None:
@@ -253,30 +262,19 @@ def _start_cerar(route: Route, r: Request) -> Work | None:
         check_usable(code, precision, r.max_error)
     elif ring.size > 1:  # the default code, bound by max_error (fewer components, or refused with the figures)
         code = code_within(ring.size, precision, r.max_error)
-    # detach(): the same storage, so the result lands in ``tensor``, without autograd, which
-    # refuses in-place writes to a leaf that requires grad (dist.all_reduce also bypasses it).
-    job = functools.partial(
-        cerar_call, r.tensor.detach(), r.op, ring, code, r.nonfinite, r.stats, packet, r.fresh_scale, r.context,
-        r.max_error,
-    )  # fmt: skip
-    return COMM.submit(job, r.tensor, r.async_op)
+    return _submit(r, cerar_call, ring, code, r.nonfinite, r.stats, packet, r.fresh_scale, r.context, r.max_error)
 
 
 def _start_ring(route: Route, r: Request) -> Work | None:
     ring = ring_of(r.group)
-    if ring is None:
-        return None
-    job = functools.partial(ring_call, r.tensor.detach(), r.op, ring, _packet(route, r), r.stats, r.context)
-    return COMM.submit(job, r.tensor, r.async_op)
+    return None if ring is None else _submit(r, ring_call, ring, _packet(route, r), r.stats, r.context)
 
 
 def _start_quantized(route: Route, r: Request) -> Work | None:
     ring = ring_of(r.group)
     if ring is None:
         return None
-    fmt = BLOCK_FORMATS[route.wire or ""]
-    job = functools.partial(quant_ring_call, r.tensor.detach(), r.op, ring, fmt, r.nonfinite, r.stats, r.context)
-    return COMM.submit(job, r.tensor, r.async_op)
+    return _submit(r, quant_ring_call, ring, BLOCK_FORMATS[route.wire or ""], r.nonfinite, r.stats, r.context)
 
 
 def _start_hierarchical(route: Route, r: Request) -> Work | None:
@@ -289,11 +287,19 @@ def _start_hierarchical(route: Route, r: Request) -> Work | None:
         )
     family = "cerar" if route.coded else "ring"
     nonfinite = r.nonfinite if route.coded else "ignore"
-    job = functools.partial(
-        hierarchical_call, r.tensor.detach(), r.op, nodes, family, r.code, nonfinite, r.stats, _packet(route, r),
-        r.context,
-    )  # fmt: skip
-    return COMM.submit(job, r.tensor, r.async_op)
+    return _submit(r, hierarchical_call, nodes, family, r.code, nonfinite, r.stats, _packet(route, r), r.context)
+
+
+def _agree_first(r: Request, bytes_per_value: Callable[[int], float]) -> None:
+    """With a ``context`` (auto's), agree it on cerar's thread, in order with the calls in flight,
+    before torch's all-reduce on the caller's thread; ``bytes_per_value(ranks)``: what that
+    all-reduce sends per value, by its formula, for the statistics."""
+    if r.context is None:
+        return
+    ring = ring_of(r.group)
+    assert ring is not None
+    sent = round(bytes_per_value(ring.size) * r.tensor.numel())
+    COMM.submit(functools.partial(agree_call, ring, r.context, r.tensor.device, r.stats, sent), r.tensor, False)
 
 
 def _start_exact(route: Route, r: Request) -> Work | None:
@@ -301,11 +307,7 @@ def _start_exact(route: Route, r: Request) -> Work | None:
     a ``context`` (auto's), agreed first on cerar's thread, in order with the calls in flight."""
     if dist.get_rank(r.group) < 0:
         return None
-    if r.context is not None:
-        ring = ring_of(r.group)
-        assert ring is not None
-        sent = round(route.bytes_per_value(ring.size, None, r.tensor.element_size()) * r.tensor.numel())
-        COMM.submit(functools.partial(agree_call, ring, r.context, r.tensor.device, r.stats, sent), r.tensor, False)
+    _agree_first(r, lambda n: route.bytes_per_value(n, None, r.tensor.element_size()))
     future = exact_all_reduce(r.tensor, r.group, average=r.op == "avg", async_op=True)
     assert future is not None
     return _finished(Work(future), r.async_op)
@@ -317,11 +319,7 @@ def _start_torch_16(route: Route, r: Request) -> Work | None:
     16-bit hooks send."""
     if dist.get_rank(r.group) < 0:
         return None
-    if r.context is not None:
-        ring = ring_of(r.group)
-        assert ring is not None
-        sent = round(route.bytes_per_value(ring.size) * r.tensor.numel())
-        COMM.submit(functools.partial(agree_call, ring, r.context, r.tensor.device, r.stats, sent), r.tensor, False)
+    _agree_first(r, route.bytes_per_value)
     group = dist.group.WORLD if r.group is None else r.group
     compressed = r.tensor.detach().to(route.wire_dtype)
     if r.op == "avg":

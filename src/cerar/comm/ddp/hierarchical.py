@@ -10,17 +10,14 @@ resolves the layout, the default code and its own group at the first bucket.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from cerar.coding.code import Code
 from cerar.comm.ddp.state import CerarState, logger
 from cerar.comm.ring.exact import new_group_like
-
-if TYPE_CHECKING:
-    from cerar.comm.collective.hierarchical import NodeLayout
+from cerar.comm.ring.groups import require_initialised
+from cerar.comm.ring.layout import NodeLayout, node_layout
 
 __all__ = ["HierarchicalState"]
 
@@ -37,7 +34,7 @@ class HierarchicalState(CerarState):
             ``LOCAL_WORLD_SIZE`` (default group only), resolved at the first bucket.
 
     Attributes: those of :class:`CerarState`, plus ``ranks_per_node`` as given and ``layout``,
-    this rank's :class:`cerar.comm.collective.hierarchical.NodeLayout` (``None`` until the first bucket).
+    this rank's :class:`cerar.comm.ring.layout.NodeLayout` (``None`` until the first bucket).
     """
 
     __slots__ = ("layout", "ranks_per_node")
@@ -72,13 +69,8 @@ class HierarchicalState(CerarState):
 
     def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
         """The hook's group, created at the first bucket with the layout and the code for ``M``."""
-        from cerar.comm.collective.hierarchical import node_layout
-
         if self._comm_group is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
-                    "HierarchicalState needs torch.distributed initialised; call init_process_group first."
-                )
+            require_initialised("HierarchicalState")
             layout = node_layout(self.process_group, self.ranks_per_node)
             if layout is None:
                 raise RuntimeError("HierarchicalState: this rank is not a member of its process group.")

@@ -28,6 +28,7 @@ from cerar.comm.ddp.checkpoint import (
 )
 from cerar.comm.ddp.replicas import ReplicaSync
 from cerar.comm.ring.exact import new_group_like
+from cerar.comm.ring.groups import require_initialised
 from cerar.comm.ring.stats import CommStats
 
 __all__ = ["DEFAULT_MIN_BUCKET_BYTES", "CerarState"]
@@ -290,8 +291,7 @@ class CerarState(ReplicaSync):
         :func:`cerar.comm.collective.call.resolve_code` from the bucket's dtype and ``packet_dtype``)
         at the first bucket."""
         if self._comm_group is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError("CerarState needs torch.distributed initialised; call init_process_group first.")
+            require_initialised("CerarState")
             world_size = dist.get_world_size(self.process_group)
             if self.code is not None and self.code.world_size != world_size:
                 raise ValueError(

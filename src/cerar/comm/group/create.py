@@ -27,6 +27,7 @@ from cerar.coding.precision import precision_name
 from cerar.comm.collective.codes import resolve_code, working_dtype
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
+from cerar.comm.ring.groups import require_initialised
 from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.links import group_timeout
 
@@ -68,8 +69,7 @@ def new_group(
     Bad arguments raise ValueError or TypeError naming the argument and the value, on every rank.
     """
     settings = GroupSettings(method, code, packet_dtype, max_error, min_bytes, nonfinite, ranks_per_node)
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    require_initialised()
     world = dist.get_world_size()
     members = _members(ranks, world)
     if ranks_per_node is not None and len(members) % ranks_per_node:

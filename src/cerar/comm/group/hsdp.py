@@ -34,6 +34,7 @@ from torch import nn
 
 from cerar._checks import check_int
 from cerar.comm.group.create import check_timeout, new_group
+from cerar.comm.ring.groups import require_initialised
 
 __all__ = ["HSDPGroups", "all_reduce_hook", "hsdp_groups", "set_all_reduce_hook"]
 
@@ -67,8 +68,7 @@ def hsdp_groups(
     ``dist.new_group``'s 30 minutes, so that a stopped rank's node-mates raise when the others
     do). ``settings``: the replicate groups' (:func:`cerar.comm.group.create.new_group`'s
     keywords: ``method``, ``packet_dtype``, ``min_bytes``...). Every rank calls it, at the same point."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    require_initialised()
     world, rank = dist.get_world_size(), dist.get_rank()
     if ranks_per_node is None:
         text = os.environ.get("LOCAL_WORLD_SIZE")

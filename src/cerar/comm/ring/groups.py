@@ -21,7 +21,16 @@ import torch.distributed as dist
 from cerar.comm.ring.links import Ring
 from cerar.comm.ring.stats import CommStats
 
-__all__ = ["ORIGIN", "CallNumber", "GroupState", "count_call", "group_state", "ring_of", "thread_key"]
+__all__ = [
+    "ORIGIN",
+    "CallNumber",
+    "GroupState",
+    "count_call",
+    "group_state",
+    "require_initialised",
+    "ring_of",
+    "thread_key",
+]
 
 #: The thread a call came from, as :func:`thread_key` names it: set by the communication thread
 #: while it runs the call (:mod:`cerar.comm.ring.thread`), read by :func:`count_call`.
@@ -126,11 +135,20 @@ def count_call(group: dist.ProcessGroup | None) -> CallNumber:
         return CallNumber(state.calls, origin, state.thread_calls[origin])
 
 
+def require_initialised(who: str | None = None) -> None:
+    """Raise RuntimeError unless torch.distributed is initialised: every way into cerar that needs
+    a process group opens with it. ``who``: the class that needs it, named in the message."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    if who is None:
+        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    raise RuntimeError(f"{who} needs torch.distributed initialised; call init_process_group first.")
+
+
 def ring_of(group: dist.ProcessGroup | None) -> Ring | None:
     """This process's :class:`Ring` over ``group`` (None if it is not a member), worked out once
     per group: its members and their global ranks do not change."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
+    require_initialised()
     state = group_state(group)
     if state.ring is None:
         state.ring = Ring.of(group) or False

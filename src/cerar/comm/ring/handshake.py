@@ -67,6 +67,7 @@ __all__ = [
     "dissemination_distances",
     "gather_text",
     "handshake",
+    "max_around",
     "open_handshake",
     "settings_hash",
 ]
@@ -99,11 +100,15 @@ def dissemination_distances(size: int) -> list[int]:
     return distances
 
 
-def _max_around(ring: Ring, total: torch.Tensor, tag: int, distances: Sequence[int]) -> torch.Tensor:
+def max_around(ring: Ring, total: torch.Tensor, tag: int, distances: Sequence[int] | None = None) -> torch.Tensor:
     """Fold into ``total`` the element-wise maximum over the hops at ``distances`` (each hop
-    sends what the rank holds and keeps the maximum with what arrived)."""
+    sends what the rank holds and keeps the maximum with what arrived; hop ``k`` at distance
+    ``2^(k-1)``). ``None``: all of :func:`dissemination_distances`, after which every rank holds
+    the maximum over every rank's ``total``."""
+    distances = dissemination_distances(ring.size) if distances is None else distances
     received = torch.empty_like(total)
-    for hop, distance in enumerate(distances, start=2):
+    for distance in distances:
+        hop = distance.bit_length()
         peer = ring.at_distance(distance)
         # total is sent as it is: it changes only once the send is done.
         recv_work, send_work = post_pair(total, received, peer, hop, tag)
@@ -192,7 +197,7 @@ class OpenHandshake:
         hashes or call counts differ anywhere, with every rank's summary."""
         began = time.perf_counter()
         try:
-            total = _max_around(self.ring, self.total, HANDSHAKE_TAG, self.rest).tolist()
+            total = max_around(self.ring, self.total, HANDSHAKE_TAG, self.rest).tolist()
         finally:
             self._timed(began)
         self.rest = []

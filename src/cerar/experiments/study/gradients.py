@@ -14,12 +14,13 @@ and reports bytes sent per gradient element per rank (CERAR ``4 (1 + (N-2)/c)``,
 ``||S_hat_j - S|| / ||S||`` over the whole flat gradient (one bucket), on each training point and
 on i.i.d. standard normal inputs of the same ``(N, d)``. Given the flat gradient's parameter
 layout (``parameters``: names and sizes, as :mod:`cerar.experiments.study.capture` stores), it
-also reports the *per-parameter* worst relative error
-``max_{j, p} ||S_hat_j[p] - S[p]|| / ||S[p]||`` over the parameters ``p`` whose true sum is
-non-zero (:func:`parameter_errors`), which a bucket figure hides when small parameters share the
-bucket with large ones. Parameters whose true sum is exactly zero (none of the batch reached
-them) are reported apart, by their absolute error ``max_j ||S_hat_j[p]||``, and so are the single
-values whose true sum is exactly zero (e.g. the embedding rows of bytes no rank's batch held).
+also reports the *per-parameter* worst relative error ``max_{j, p} ||S_hat_j[p] - S[p]|| /
+||S[p]||`` over the parameters ``p`` whose true sum is non-zero (:func:`parameter_errors`, in
+:mod:`cerar.experiments.study.gradient_errors`), which a bucket figure hides when small parameters
+share the bucket with large ones. Parameters whose true sum is exactly zero (none of the batch
+reached them) are reported apart, by their absolute error ``max_j ||S_hat_j[p]||``, and so are the
+single values whose true sum is exactly zero (e.g. the embedding rows of bytes no rank's batch
+held).
 Every figure is computed from the simulators' ``outputs`` and ``exact`` alone, whatever layout
 the protocol uses inside.
 
@@ -45,9 +46,10 @@ from cerar.coding import codes
 from cerar.coding.code import Code
 from cerar.coding.precision import ITEMSIZE
 from cerar.experiments._extras import pyplot
-from cerar.experiments.study.capture import check_parameters
+from cerar.experiments.study.capture_file import check_parameters
+from cerar.experiments.study.gradient_errors import call_errors, data_statistics, parameter_errors
 from cerar.experiments.study.synthetic import iid_inputs
-from cerar.protocol.simulate import SimulationResult, simulate
+from cerar.protocol.simulate import simulate
 from cerar.protocol.simulate_ring import simulate_ring
 
 __all__ = [
@@ -80,112 +82,6 @@ def build_code(construction: str, world_size: int, components: int, packet: str 
         listed = ", ".join(repr(c) for c in CONSTRUCTIONS)
         raise ValueError(f"Argument 'construction' must be one of {listed}, not {construction!r}.")
     return codes.build(construction, world_size, components, packet, max_error=None)
-
-
-def data_statistics(inputs: np.ndarray) -> dict[str, float]:
-    """How shared and how spread the ``(N, d)`` inputs are (see the module docstring)."""
-    rows = np.asarray(inputs, dtype=np.float64)
-    mean_sq = float(np.mean(np.sum(rows**2, axis=1)))
-    common = float(np.sum(rows.mean(axis=0) ** 2) / mean_sq) if mean_sq > 0 else float("nan")
-    norms = np.linalg.norm(rows, axis=1)
-    cosines = (rows @ rows.T) / np.outer(norms, norms)
-    off = cosines[~np.eye(len(rows), dtype=bool)]
-    rms = float(np.sqrt(np.mean(rows**2)))
-    return {
-        "common_fraction": common,
-        "min_cosine": float(off.min()),
-        "mean_cosine": float(off.mean()),
-        "rank_norms": norms.tolist(),
-        "sum_norm": float(np.linalg.norm(rows.sum(axis=0))),
-        "max_abs_over_rms": float(np.max(np.abs(rows)) / rms) if rms > 0 else float("nan"),
-        "zero_fraction": float(np.mean(rows == 0)),
-    }
-
-
-def parameter_errors(
-    outputs: np.ndarray, exact: np.ndarray, parameters: Sequence[tuple[str, int]]
-) -> dict[str, Any]:
-    """Every rank's error on every parameter of the flat sum, relative to that parameter's own sum.
-
-    Args:
-        outputs: ``(N, d)`` each rank's decoded sum (:attr:`SimulationResult.outputs`).
-        exact: ``(d,)`` the true sum (:attr:`SimulationResult.exact`).
-        parameters: ``(name, size)`` per parameter, in the order of the flat vector, sizes
-            summing to ``d``.
-
-    Returns:
-        A JSON-ready dict. Over the parameters ``p`` with ``||S[p]|| > 0``: ``worst``, the largest
-        ``||S_hat_j[p] - S[p]|| / ||S[p]||`` over ``j`` and ``p`` (None if there is no such
-        parameter), its ``worst_parameter`` and ``worst_rank``, ``per_rank`` (each rank's largest
-        over ``p``), ``median`` (over ``p`` of the worst rank's error) and ``count``. Under
-        ``zero_sum``, the parameters whose true sum is exactly zero: their ``count``, ``size``
-        (values), ``worst_abs`` (the largest ``||S_hat_j[p]||`` over ``j`` and those ``p``, None
-        if there are none) and its ``parameter``. Empty parameters count in neither. Under
-        ``zero_values``, the single values whose true sum is exactly zero, wherever they lie:
-        their ``count`` and ``worst_abs``, the largest ``||S_hat_j[z]||`` over ranks (None if none).
-    """
-    out = np.asarray(outputs, dtype=np.float64)
-    true = np.asarray(exact, dtype=np.float64)
-    if out.ndim != 2 or true.shape != (out.shape[1],):
-        raise ValueError(
-            f"Arguments 'outputs' and 'exact' must have shapes (N, d) and (d,), not {out.shape} and {true.shape}."
-        )
-    layout = check_parameters(parameters, out.shape[1])
-    names = [name for name, count in layout if count > 0]
-    sizes = np.array([count for _, count in layout if count > 0], dtype=np.int64)
-    empty: dict[str, Any] = {"count": 0, "size": 0, "worst_abs": None, "parameter": None}
-    zero_values = true == 0
-    zeros = {
-        "count": int(np.sum(zero_values)),
-        "worst_abs": float(np.linalg.norm(out[:, zero_values], axis=1).max()) if np.any(zero_values) else None,
-    }
-    if sizes.size == 0:
-        return {"worst": None, "worst_parameter": None, "worst_rank": None, "per_rank": [None] * len(out),
-                "median": None, "count": 0, "zero_sum": empty, "zero_values": zeros}  # fmt: skip
-    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    # Sums of squares per parameter: reduceat over the non-empty slices (each start < d).
-    true_norm = np.sqrt(np.add.reduceat(true**2, starts))
-    error_norm = np.sqrt(np.add.reduceat((out - true) ** 2, starts, axis=1))  # (N, K)
-    nonzero = true_norm > 0
-    result: dict[str, Any] = {"count": int(np.sum(nonzero))}
-    if np.any(nonzero):
-        relative = error_norm[:, nonzero] / true_norm[nonzero]
-        rank, column = np.unravel_index(int(np.argmax(relative)), relative.shape)
-        result.update(
-            worst=float(relative[rank, column]),
-            worst_parameter=[n for n, keep in zip(names, nonzero, strict=True) if keep][column],
-            worst_rank=int(rank),
-            per_rank=relative.max(axis=1).tolist(),
-            median=float(np.median(relative.max(axis=0))),
-        )
-    else:
-        result.update(worst=None, worst_parameter=None, worst_rank=None, per_rank=[None] * len(out), median=None)
-    zero = ~nonzero
-    if np.any(zero):
-        absolute = error_norm[:, zero]  # S[p] = 0: the error is the output itself
-        column = int(np.argmax(absolute.max(axis=0)))
-        result["zero_sum"] = {
-            "count": int(np.sum(zero)),
-            "size": int(np.sum(sizes[zero])),
-            "worst_abs": float(absolute.max()),
-            "parameter": [n for n, z in zip(names, zero, strict=True) if z][column],
-        }
-    else:
-        result["zero_sum"] = empty
-    result["zero_values"] = zeros
-    return result
-
-
-def _errors(result: SimulationResult, parameters: Sequence[tuple[str, int]] | None) -> dict[str, Any]:
-    per_rank = result.relative_errors
-    errors: dict[str, Any] = {
-        "worst": float(per_rank.max()),
-        "mean": float(per_rank.mean()),
-        "per_rank": per_rank.tolist(),
-    }
-    if parameters is not None:
-        errors["per_parameter"] = parameter_errors(result.outputs, result.exact, parameters)
-    return errors
 
 
 def _check_datasets(datasets: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -235,7 +131,7 @@ def gradient_study(
         seed: the i.i.d. inputs' seed.
         info: copied into the result under ``"info"`` (e.g. the capture's settings).
         parameters: the flat vector's layout, ``(name, size)`` per parameter (sizes summing to
-            ``d``; e.g. :attr:`cerar.experiments.study.capture.Capture.parameters`). Given, every
+            ``d``; e.g. :attr:`cerar.experiments.study.capture_file.Capture.parameters`). Given, every
             error also has ``per_parameter`` (:func:`parameter_errors`; the i.i.d. set is cut at
             the same boundaries).
 
@@ -300,7 +196,7 @@ def _cerar_entry(
         "bytes_per_element": ITEMSIZE[packet] * code.comm_rate,
         "cond": float(np.max(code.cond)),
         "parameter": {key: v for key, v in code.params.items() if isinstance(v, (int, float, str))},
-        "errors": {name: _errors(simulate(code, x, packet), layout) for name, x in data.items()},
+        "errors": {name: call_errors(simulate(code, x, packet), layout) for name, x in data.items()},
     }
 
 
@@ -316,7 +212,7 @@ def _ring_entry(wire: str, data: Mapping[str, np.ndarray], layout: Layout) -> di
         "bytes_per_element": ITEMSIZE[wire] * 2 * (n_ranks - 1) / n_ranks,
         "cond": 1.0,
         "parameter": {},
-        "errors": {name: _errors(simulate_ring(x, wire), layout) for name, x in data.items()},
+        "errors": {name: call_errors(simulate_ring(x, wire), layout) for name, x in data.items()},
     }
 
 
