@@ -36,7 +36,7 @@ def _ddp_auto(rank: int, world_size: int, fail_cerar: bool) -> dict[str, Any]:
         start = auto_ddp._start
 
         def refuse(state: Any, candidate: Any, *args: Any) -> Any:
-            if candidate.coded:
+            if candidate.route.coded:
                 raise ValueError("injected failure")
             return start(state, candidate, *args)
 
@@ -118,17 +118,18 @@ def test_ddp_settings_that_differ_raise_on_every_rank() -> None:
 
 def _collective(rank: int, world_size: int, fail_fp16: bool) -> dict[str, Any]:
     from cerar.comm.auto import collective as auto_collective
+    from cerar.comm.auto.candidates import Candidate
     from cerar.comm.auto.tournament import AutoConfig
 
     if fail_fp16:
-        start = auto_collective._start
+        start = Candidate.start
 
         def refusing(candidate: Any, *args: Any) -> Any:
             if candidate.name == "fp16":
                 raise ValueError("injected failure")
             return start(candidate, *args)
 
-        auto_collective._start = refusing
+        Candidate.start = refusing  # type: ignore[method-assign]
     x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
     exact = x.clone()
     dist.all_reduce(exact)

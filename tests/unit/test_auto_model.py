@@ -8,16 +8,17 @@ import math
 
 import pytest
 
-from cerar.comm.auto.candidates import Candidate, build_candidates, ring_error
+from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.model import decide_slot, fit_cost_model
 from cerar.comm.auto.pins import PinnedTable
 from cerar.comm.auto.tournament import AutoConfig
+from cerar.comm.collective.routes import ROUTES
 
 N = 4
-EXACT = Candidate("exact", "fp32", "torch", N)
-FP16 = Candidate("fp16", "fp16", "torch", N)
-CERAR = Candidate("cerar", "fp32", "cerar", N, 8)
-CERAR16 = Candidate("cerar-fp16", "fp16", "cerar", N, 8)
+EXACT = Candidate("exact", ROUTES["exact"], N)
+FP16 = Candidate("fp16", ROUTES["torch-fp16"], N)
+CERAR = Candidate("cerar", ROUTES["cerar"], N, 8)
+CERAR16 = Candidate("cerar-fp16", ROUTES["cerar-fp16"], N, 8)
 CANDIDATES = [EXACT, FP16, CERAR, CERAR16]
 #: The "true" costs the scripted timings follow: alpha per transport, beta, gamma per candidate.
 ALPHA, BETA = {"torch": 1e-4, "cerar": 5e-4}, 2e-8
@@ -25,12 +26,13 @@ GAMMA = {"fp16": 1e-10, "cerar c=8": 2e-9, "cerar-fp16 c=8": 1e-9}
 
 
 def true_time(candidate: Candidate, values: float) -> float:
-    gamma = GAMMA.get(candidate.label, 0.0)
-    return candidate.rounds * ALPHA[candidate.transport] + candidate.bytes_per_value * values * BETA + values * gamma
+    alpha, gamma = ALPHA[candidate.route.transport], GAMMA.get(candidate.label, 0.0)
+    return candidate.rounds * alpha + candidate.bytes_per_value * values * BETA + values * gamma
 
 
 def test_candidates_by_budget() -> None:
-    assert ring_error(4, "fp16") == pytest.approx(2.0**-11 * math.sqrt(2.5))  # u sqrt((N+1)/2)
+    fp16 = build_candidates(4, None, context="collective")[0][1]  # its row's prediction
+    assert fp16.route.name == "ring-fp16" and fp16.predicted_error == pytest.approx(2.0**-11 * math.sqrt(2.5))
     names = {budget: [c.name for c in build_candidates(4, budget)[0]] for budget in (1e-5, 1e-3, 2e-2)}
     # The int8 ring (predicted 1.1e-2 at N = 4) is admitted from a budget of about 1e-2 on.
     assert names == {
@@ -41,7 +43,7 @@ def test_candidates_by_budget() -> None:
     assert all(c.predicted_error <= 1e-3 for c in admitted) and refused[0].predicted_error > 1e-3
     assert [c.name for c in build_candidates(2, None)[0]] == ["exact", "fp16", "int8"]  # N = 2: CERAR is the ring
     with pytest.raises(ValueError, match="Argument 'candidates'"):
-        build_candidates(4, 1e-3, ("exact", "nccl"))
+        AutoConfig(candidates=("exact", "nccl"))
 
 
 def test_fit_recovers_the_constants() -> None:
@@ -54,20 +56,19 @@ def test_fit_recovers_the_constants() -> None:
     assert model.alpha_s["cerar"] == pytest.approx(ALPHA["cerar"], rel=1e-3)
     assert model.gamma_s_per_value["cerar c=8"] == pytest.approx(GAMMA["cerar c=8"], rel=1e-3)
     assert model.predict(CERAR16, 2**24) == pytest.approx(true_time(CERAR16, 2**24), rel=1e-4)
-    assert model.predict(Candidate("bf16", "bf16", "torch", N), 2**20) == math.inf  # never measured
+    assert model.predict(Candidate("bf16", ROUTES["torch-bf16"], N), 2**20) == math.inf  # never measured
     assert fit_cost_model([(EXACT, 100.0, math.inf)]) is None
 
 
 def test_decision_margin_and_budget() -> None:
-    def decide(times: list[float], **options: object) -> tuple[str, str]:
-        settings = {"margin": 0.03, "allowed": range(len(times)), **options}
-        choice = decide_slot(CANDIDATES, times, **settings)  # type: ignore[arg-type]
-        return CANDIDATES[choice.candidate].name, choice.reason
+    def decide(times: list[float], margin: float = 0.03, candidates: list[Candidate] = CANDIDATES) -> tuple[str, str]:
+        choice = decide_slot(candidates, times, margin=margin)
+        return candidates[choice.candidate].name, choice.reason
 
     assert decide([1.0, 0.6, 0.5, 0.7]) == ("cerar", "fastest")  # 17% under the best ring
     assert decide([1.0, 0.6, 0.59, 0.7]) == ("fp16", "margin")  # 1.7%: not by the margin
     assert decide([1.0, 0.6, 0.59, 0.7], margin=0.0) == ("cerar", "fastest")
-    assert decide([1.0, 0.6, 0.5, 0.7], allowed=[0]) == ("exact", "budget")
+    assert decide([1.0], candidates=[EXACT]) == ("exact", "budget")
     assert decide([1.0, math.inf, math.inf, 0.9]) == ("cerar-fp16", "fastest")  # failed ones are out
     assert decide([math.inf] * 4) == ("exact", "fastest")  # nothing known: exact
 

@@ -13,12 +13,13 @@ import pytest
 
 from cerar.comm.auto.candidates import Candidate
 from cerar.comm.auto.tournament import CUT, AutoConfig, Tournament
+from cerar.comm.collective.routes import ROUTES
 
 N = 4
-EXACT = Candidate("exact", "fp32", "torch", N)
-FP16 = Candidate("fp16", "fp16", "torch", N)
-CERAR = Candidate("cerar", "fp32", "cerar", N, 8)
-CERAR16 = Candidate("cerar-fp16", "fp16", "cerar", N, 8)
+EXACT = Candidate("exact", ROUTES["exact"], N)
+FP16 = Candidate("fp16", ROUTES["torch-fp16"], N)
+CERAR = Candidate("cerar", ROUTES["cerar"], N, 8)
+CERAR16 = Candidate("cerar-fp16", ROUTES["cerar-fp16"], N, 8)
 CANDIDATES = [EXACT, FP16, CERAR, CERAR16]
 Times = Callable[[int, int], float]  # (candidate, run number) -> seconds
 

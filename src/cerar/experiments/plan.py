@@ -107,7 +107,7 @@ def plan_from_doc(doc: dict[str, Any], regime: str | None, max_error: float | No
 
 def coding_bytes_per_value(candidate: Candidate) -> float:
     """The memory traffic of a candidate's coding per value (see the module doc)."""
-    if not candidate.coding or (candidate.transport == "torch" and candidate.wire == "fp32"):
+    if not candidate.coding or (candidate.route.transport == "torch" and candidate.wire == "fp32"):
         return 0.0
     if candidate.components is None:
         return 12.0
@@ -138,7 +138,7 @@ def plan_table(plan: Plan, margin: float, sizes: Sequence[int] = TABLE_SIZES) ->
 
     def choose(size: int) -> tuple[list[float], int, str]:
         times = [plan.model.predict(m, size / 4.0) for m in plan.modelled]
-        choice = decide_slot(plan.modelled, times, range(len(times)), margin=margin)
+        choice = decide_slot(plan.modelled, times, margin=margin)
         return times, choice.candidate, choice.reason
 
     rows = []

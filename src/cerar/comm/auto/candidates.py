@@ -1,149 +1,93 @@
-"""The candidates of ``method="auto"``: each way to all-reduce, with the rounds, the bytes and the
-predicted worst-rank error that the budget, the tournament's order and ``cerar plan`` need
-(``docs/auto.md`` tabulates them). ``exact`` is always admitted, the reference; the bfloat16
-variants (the bytes of float16, more error) only when listed; a CERAR candidate whose code is
-the exact one (``c = N``, as at ``N = 2``) is left out (it is the ring with CERAR's extra
-rounds). The 16-bit rings' error: a ring rounds each partial sum it sends (``k`` of the ``N``
-inputs at hop ``k``) and the sum once more for the all-gather, each rounding within ``u`` of the
-value, so for i.i.d. inputs the relative error is at most ``u sqrt((N+1)/2)``. No torch here.
+"""The candidates of ``method="auto"``: rows of the route table (:mod:`cerar.comm.collective.routes`)
+under auto's names, each with ``N``, CERAR's code and its predicted worst-rank error: what the
+budget, the tournament's order and ``cerar plan`` need (``docs/auto.md`` tabulates them). The
+row says what the candidate sends and how exact it is; this module adds only what auto decides.
+``exact`` is always admitted, the reference; the bfloat16 and float8 variants (the bytes of
+float16 or int8, more error) only when listed; a CERAR candidate whose code is the exact one
+(``c = N``, as at ``N = 2``) is left out (it is the ring with CERAR's extra rounds).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from cerar._checks import check_choice, check_int
-from cerar.coding.blocks import WIRES as WIRES_8BIT
-from cerar.coding.blocks import BlockFormat, ring_error_bound
-from cerar.coding.code import Code, check_max_error
+import torch
 
-__all__ = [
-    "BASELINE_NAMES",
-    "CANDIDATE_NAMES",
-    "DEFAULT_CANDIDATES",
-    "UNIT_ROUNDOFF",
-    "Candidate",
-    "build_candidates",
-    "handshake_hops",
-    "ring_error",
-]
+from cerar.coding.code import Code
+from cerar.comm.collective.call import NonFiniteError
+from cerar.comm.collective.routes import Request, Route, get_route
+from cerar.comm.ring.handshake import dissemination_distances
+from cerar.comm.ring.stats import CommStats
+from cerar.comm.ring.work import Work
 
-#: The largest relative error of one rounding to nearest, by wire precision.
-UNIT_ROUNDOFF = {"fp32": 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
+__all__ = ["CANDIDATE_NAMES", "DEFAULT_CANDIDATES", "ROWS", "Candidate", "build_candidates", "rank"]
+
 #: Every candidate ``method="auto"`` knows (exact first: the reference; trials run by bytes sent).
 CANDIDATE_NAMES = ("exact", "fp16", "bf16", "int8", "fp8", "cerar", "cerar-fp16", "cerar-bf16")
 #: The candidates tried by default (the bfloat16 ones send the same bytes and err more; the
 #: float8 ring sends the int8 ring's bytes and errs more).
 DEFAULT_CANDIDATES = ("exact", "fp16", "int8", "cerar", "cerar-fp16")
-#: The exact, 16-bit and 8-bit rings: the baselines CERAR must beat by the margin.
-BASELINE_NAMES = ("exact", "fp16", "bf16", "int8", "fp8")
-#: The row of the route table (:mod:`cerar.comm.collective.routes`) each candidate runs, by
-#: context: the DDP hook's 16-bit rings are torch's compress hooks, the collective's cerar's rings.
+#: The row each candidate runs, by context: the DDP hook's 16-bit rings are torch's compress
+#: hooks, the collective's cerar's rings; the 8-bit rings are cerar's in both.
 ROWS = {
-    "collective": {
-        name: {"fp16": "ring-fp16", "bf16": "ring-bf16", "int8": "ring-int8", "fp8": "ring-fp8"}.get(name, name)
-        for name in CANDIDATE_NAMES
-    },
-    "ddp": {
-        name: {"fp16": "torch-fp16", "bf16": "torch-bf16", "int8": "ring-int8", "fp8": "ring-fp8"}.get(name, name)
-        for name in CANDIDATE_NAMES
-    },
-}
-
-
-def ring_error(world_size: int, precision: str) -> float:
-    """The predicted worst-rank relative error of a ring whose wire is ``precision``:
-    ``u sqrt((N+1)/2)`` (derived in the module doc); the 8-bit wires' by
-    :func:`cerar.coding.blocks.ring_error_bound` for their default block format."""
-    n = check_int("world_size", world_size, minimum=1)
-    if precision in WIRES_8BIT:
-        return ring_error_bound(n, BlockFormat(precision))
-    return UNIT_ROUNDOFF[check_choice("precision", precision, tuple(UNIT_ROUNDOFF))] * math.sqrt((n + 1) / 2)
-
-
-def handshake_hops(world_size: int) -> int:
-    """The point-to-point hops of the handshake that opens every call on cerar's transport."""
-    return math.ceil(math.log2(world_size)) if world_size > 1 else 0
+    context: {
+        "exact": "exact", "fp16": f"{ring16}-fp16", "bf16": f"{ring16}-bf16", "int8": "ring-int8", "fp8": "ring-fp8",
+        "cerar": "cerar", "cerar-fp16": "cerar-fp16", "cerar-bf16": "cerar-bf16",
+    }
+    for context, ring16 in (("ddp", "torch"), ("collective", "ring"))
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to all-reduce, as the cost model and the decision see it.
+    """One way to all-reduce, as the tournament, the cost model and the decision see it.
 
     Attributes:
         name: ``"exact"``, ``"fp16"``, ``"cerar"``... (the bench also models its own methods,
             ``"builtin"``, ``"ring-fp16"``, with the same class).
-        wire: the precision on the wire, ``"fp32"``, ``"fp16"`` or ``"bf16"``.
-        transport: ``"torch"`` (``torch.distributed.all_reduce`` on the caller's group, its
-            own latency) or ``"cerar"`` (cerar's point-to-point ring and handshake).
+        route: the row of the route table it runs: its wire, transport (``"torch"``: torch's
+            all-reduce on the caller's group, its own latency; ``"cerar"``: cerar's
+            point-to-point ring and handshake), bytes, exactness, and whether it is CERAR
+            (``coded``) or a ring, one of the baselines CERAR must beat by the margin.
         world_size: ``N``.
         components: CERAR's ``c`` (``None`` for a ring).
         code: CERAR's code (``None`` for a ring, or where only the figures are needed).
-        predicted_error: the predicted worst-rank relative error.
+        predicted_error: the predicted worst-rank relative error (the row's, for the code).
     """
 
     name: str
-    wire: str
-    transport: str
+    route: Route
     world_size: int
     components: int | None = None
     code: Code | None = None
     predicted_error: float = 0.0
-    row: str = ""  # its row of the route table; default: the one ``name`` runs on ``transport``
-
-    def __post_init__(self) -> None:
-        if not self.row:
-            context = ROWS["ddp" if self.transport == "torch" else "collective"]
-            object.__setattr__(self, "row", context.get(self.name, self.name))
 
     @property
-    def route(self) -> Any:
-        """Its :class:`cerar.comm.collective.routes.Route` (loads torch.distributed)."""
-        from cerar.comm.collective.routes import get_route
-
-        return get_route(self.row)
-
-    @property
-    def coded(self) -> bool:
-        """Whether it takes a code (CERAR)."""
-        return self.components is not None
-
-    @property
-    def algorithm(self) -> str:
-        """``"cerar"`` or ``"ring"`` (exact and 16-bit rings): a knob of the pinned table."""
-        return "ring" if self.components is None else "cerar"
-
-    @property
-    def baseline(self) -> bool:
-        """An exact or 16-bit ring, the methods CERAR must beat by the decision's margin."""
-        return self.components is None
+    def wire(self) -> str:
+        """The precision on the wire: ``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"fp8"``."""
+        return self.route.precision()
 
     @property
     def coding(self) -> bool:
         """Whether it has a time per value beyond moving its bytes (casts, CERAR's coding, cerar's
         transport's own work): the cost model's ``gamma`` term. Torch's exact float32
         all-reduce, which the link's ``beta`` is measured by, has none."""
-        return self.components is not None or self.wire != "fp32" or self.transport != "torch"
+        return not (self.route.exact and self.route.transport == "torch")
 
     @property
     def rounds(self) -> int:
         """Sequential message rounds per call (cerar's transport adds its handshake hops)."""
         n = self.world_size
         data = 2 * (n - 1) if self.components is None else self.components + n - 2
-        return data + (handshake_hops(n) if self.transport == "cerar" else 0)
+        return data + (len(dissemination_distances(n)) if self.route.transport == "cerar" else 0)
 
     @property
     def bytes_per_value(self) -> float:
-        """Bytes each rank sends per value reduced: ``2(N-1)/N`` values for a ring,
-        ``1 + (N-2)/c`` for CERAR, times the wire's bytes."""
-        n, c = self.world_size, self.components
-        values = 2.0 * (n - 1) / n if c is None else (c + n - 2) / c
-        if self.wire in WIRES_8BIT:
-            return values * BlockFormat(self.wire).bytes_per_value
-        return values * (4.0 if self.wire == "fp32" else 2.0)
+        """Bytes each rank sends per value reduced (the row's, for ``N`` and ``c``)."""
+        return self.route.bytes_per_value(self.world_size, self.components)
 
     @property
     def label(self) -> str:
@@ -156,12 +100,52 @@ class Candidate:
             "name": self.name,
             "label": self.label,
             "wire": self.wire,
-            "transport": self.transport,
+            "transport": self.route.transport,
             "components": self.components,
             "rounds": self.rounds,
             "bytes_per_value": self.bytes_per_value,
             "predicted_error": self.predicted_error,
         }
+
+    def start(
+        self, tensor: torch.Tensor, op: str, group: Any, nonfinite: str, stats: CommStats | None,
+        context: dict[str, Any] | None = None, fresh: bool = False,
+    ) -> Work:  # fmt: skip
+        """Start the row on ``tensor`` in place, asynchronously; the arguments were checked by the
+        caller. No budget of its own: auto admitted the candidate by its predicted error. With
+        ``context``, auto's settings are agreed in the row's handshake. ``fresh``: after another
+        method's call, 16-bit CERAR takes its packet scale from the data, since the one its last
+        call left may no longer fit (every rank switches at the same call)."""
+        fresh = fresh and self.route.wire is not None
+        options: dict[str, Any] = {"code": self.code, "fresh_scale": fresh} if self.route.coded else {}
+        request = Request(tensor, op, group, True, nonfinite=nonfinite, max_error=None, stats=stats, context=context)
+        work = self.route.start(self.route, replace(request, **options))
+        assert work is not None  # a member of the group: checked by the caller
+        return work
+
+    def check_finite(self, result: torch.Tensor, nonfinite: str, what: str) -> None:
+        """Under ``nonfinite="raise"``, a ring's non-finite sum raises :class:`NonFiniteError`: the
+        rings' sums are the same on every rank, so it raises on every rank (CERAR checks its own)."""
+        if nonfinite == "raise" and not self.route.coded and not bool(torch.isfinite(result).all()):
+            raise NonFiniteError(
+                f"cerar auto: the {self.label} {what} is not finite (some rank's input held NaN or Inf, "
+                "or the sum overflowed)."
+            )
+
+
+def rank(candidates: Sequence[Candidate], times: Sequence[float], among: Sequence[int], margin: float) -> list[int]:
+    """``among`` (indices of ``candidates``) fastest first by ``times`` (``inf``: unknown); a CERAR
+    candidate counts as faster than the fastest ring only if it beats it by ``margin``, since its
+    coding competes with the step for the cores and its errors are not free. Ties go to the lower
+    index (exact first), so the order depends only on the numbers."""
+    best_ring = min((times[k] for k in among if not candidates[k].route.coded), default=math.inf)
+
+    def key(k: int) -> tuple[float, int, int]:
+        if candidates[k].route.coded and not times[k] < (1 - margin) * best_ring:
+            return (max(times[k], best_ring), 1, k)  # not the margin faster: behind the rings
+        return (times[k], 0, k)
+
+    return sorted(among, key=key)
 
 
 def build_candidates(
@@ -173,43 +157,36 @@ def build_candidates(
     fast_codes: bool = False,
 ) -> tuple[list[Candidate], list[Candidate]]:
     """``(admitted, refused)``: the candidates ``names`` for ``N`` ranks, split by ``max_error``
-    (``None``: no limit), in :data:`CANDIDATE_NAMES` order, exact first and always admitted.
+    (``None``: no limit), in :data:`CANDIDATE_NAMES` order, exact first and always admitted; the
+    callers checked their arguments (``names``: :class:`cerar.comm.auto.tournament.AutoConfig`).
 
-    ``context`` is ``"ddp"`` (16-bit rings are torch's compress hooks, on torch's transport) or
-    ``"collective"`` (``cerar.ring_all_reduce`` with a 16-bit wire, on cerar's). ``fast_codes``
-    takes ``perturbed(N, 2N)`` codes instead of the library's defaults (which may take seconds to
+    ``context`` is ``"ddp"`` or ``"collective"`` (:data:`ROWS`). ``fast_codes`` takes
+    ``perturbed(N, 2N)`` codes instead of the library's defaults (which may take seconds to
     design for a large ``N``): what ``cerar plan`` uses to describe a cluster.
     """
-    n = check_int("world_size", world_size, minimum=1)
-    limit = check_max_error(max_error)
-    check_choice("context", context, ("ddp", "collective"))
-    for name in names:
-        check_choice("candidates", name, CANDIDATE_NAMES)
     wanted = ["exact", *(name for name in CANDIDATE_NAMES if name in names and name != "exact")]
     admitted: list[Candidate] = []
     refused: list[Candidate] = []
     for name in wanted:
-        candidate = _candidate(name, n, limit, context, fast_codes)
+        candidate = _candidate(name, get_route(ROWS[context][name]), world_size, max_error, fast_codes)
         if candidate is None:
             continue
-        keep = name == "exact" or limit is None or candidate.predicted_error <= limit
+        keep = name == "exact" or max_error is None or candidate.predicted_error <= max_error
         (admitted if keep else refused).append(candidate)
     return admitted, refused
 
 
-def _candidate(name: str, n: int, limit: float | None, context: str, fast_codes: bool) -> Candidate | None:
-    """The candidate ``name`` for ``N`` ranks, or None where it does not apply (``N = 1``, a
-    CERAR code that would be the exact one)."""
-    wire = "fp32" if name in ("exact", "cerar") else name.removeprefix("cerar-")
-    if name in BASELINE_NAMES:
-        transport = "torch" if name == "exact" or (context == "ddp" and wire not in WIRES_8BIT) else "cerar"
-        return Candidate(name, wire, transport, n, predicted_error=ring_error(n, wire), row=ROWS[context][name])
+def _candidate(name: str, route: Route, n: int, limit: float | None, fast_codes: bool) -> Candidate | None:
+    """The candidate ``name`` for ``N`` ranks, or None where it does not apply (a CERAR code that
+    would be the exact one)."""
+    if not route.coded:
+        return Candidate(name, route, n, predicted_error=route.error_bound(n))
     if n < 3:
         return None  # two ranks: every c sends one value per value and decodes exactly, the ring's
-    code = _code(n, wire, limit, fast_codes)
+    code = _code(n, route.precision(), limit, fast_codes)
     if code.components == n:
         return None
-    return Candidate(name, wire, "cerar", n, code.components, code, code.predicted_worst_error(wire), name)
+    return Candidate(name, route, n, code.components, code, route.error_bound(n, code))
 
 
 def _code(n: int, wire: str, limit: float | None, fast_codes: bool) -> Code:

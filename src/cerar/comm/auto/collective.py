@@ -5,27 +5,25 @@ Every call agrees everything that decides it (size, dtype, op, budget, policy, s
 candidate, and the count of calls on the group) in the handshake of cerar's transport that opens
 the candidate's call (the exact candidate's is a handshake alone, then torch's all-reduce): a rank
 that differs makes every rank raise :class:`cerar.SettingsMismatchError` naming the setting,
-before any data moves. The calls
-of one size (and dtype, op, budget) form a stream with its own tournament; the least recently
-used of more than ``AutoConfig.max_streams`` goes, so a workload of ever-changing sizes gets the
-exact warm-up call for each. The candidates (:mod:`cerar.comm.auto.candidates`, collective
-context): ``exact`` is ``torch.distributed.all_reduce`` on the caller's group, ``fp16``
-``cerar.ring_all_reduce`` with a float16 wire, CERAR with float32 and 16-bit packets. A call's
-time is its own wall time (async calls: from its start, or the previous completion if later, to
-its completion); before a round's agreement the calls in flight are waited for. A candidate that
-fails to start (the same error on every rank, before any data moved) makes that call exact and
-is out. ``nonfinite="raise"`` holds whichever candidate runs: the rings' sums are the same on
-every rank, so a non-finite one raises :class:`cerar.NonFiniteError` on every rank.
+before any data moves. The calls of one size (and dtype, op, budget) form a stream with its own
+tournament among the collective's rows (:data:`cerar.comm.auto.candidates.ROWS`); the least
+recently used of more than ``AutoConfig.max_streams`` goes, so a workload of ever-changing sizes
+gets the exact warm-up call for each. A call's time is its own wall time (async calls: from its
+start, or the previous completion if later, to its completion); before a round's agreement the
+calls in flight are waited for. A candidate that fails to start (the same error on every rank,
+before any data moved) makes that call exact and is out. ``nonfinite="raise"`` holds whichever
+candidate runs (:meth:`cerar.comm.auto.candidates.Candidate.check_finite`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import threading
 import time
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,8 +33,8 @@ from cerar.coding.code import MAX_ERROR
 from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.side import SideGroup
 from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
-from cerar.comm.collective.call import NonFiniteError
 from cerar.comm.collective.routes import Request, Route, register_route, start
+from cerar.comm.ring.groups import ring_of
 from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.work import Work, forward
@@ -44,11 +42,10 @@ from cerar.comm.ring.work import Work, forward
 __all__ = ["AUTO", "auto_all_reduce", "auto_status"]
 
 
+@dataclass
 class _Stream:
-    __slots__ = ("key", "last", "tournament")
-
-    def __init__(self, key: tuple[Any, ...], tournament: Tournament) -> None:
-        self.key, self.tournament, self.last = key, tournament, -1  # the last call's candidate
+    tournament: Tournament
+    last: int = -1  # the last call's candidate
 
 
 class _GroupAuto:
@@ -87,21 +84,19 @@ def auto_all_reduce(
     Returns None, a :class:`Work` with ``async_op``, and None on ranks outside ``group``."""
     if config is not None and not isinstance(config, AutoConfig):
         raise TypeError(f"Argument 'config' must be a cerar.ddp.AutoConfig or None, not {type(config).__name__}.")
-    route = AUTO if config is None else dataclasses.replace(AUTO, start=functools.partial(_start_auto, config=config))
+    route = AUTO if config is None else replace(AUTO, start=functools.partial(_start_auto, config=config))
     return start(route, tensor, op, group, async_op, max_error=max_error, nonfinite=nonfinite, stats=stats)
 
 
 def _start_auto(route: Route, r: Request, config: AutoConfig | None = None) -> Work | None:
     """One call by its stream's tournament (the route's start; the arguments checked)."""
     config = AutoConfig() if config is None else config
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cerar: torch.distributed is not initialised; call init_process_group first.")
-    group, tensor = r.group, r.tensor
-    if dist.get_rank(group) < 0:
+    ring = ring_of(r.group)  # refuses an uninitialised torch.distributed
+    if ring is None:
         return None
-    shared = _group_auto(group)
+    shared, tensor = _group_auto(r.group), r.tensor
     key = (tensor.numel(), str(tensor.dtype), r.op, r.max_error, r.nonfinite, config)
-    stream = _stream(shared, key, tensor.numel() * tensor.element_size(), group, r.max_error, config)
+    stream = _stream(shared, key, tensor.numel() * tensor.element_size(), ring.size, r.max_error, config)
     tournament = stream.tournament
     if tournament.agree_due():
         _drain(shared)  # every measurement of the round must be in
@@ -113,18 +108,15 @@ def _start_auto(route: Route, r: Request, config: AutoConfig | None = None) -> W
     names = ("size", "dtype", "op", "max_error", "nonfinite", "config")
     context = {**(r.context or {}), **dict(zip(names, key, strict=True))}
     context.update(method="auto", candidate=candidate.label)
-    # 16-bit CERAR after another method's calls takes its packet scale from its data, since the
-    # scale its last call left may no longer fit (every rank switches at the same call).
-    fresh = run.candidate != stream.last
     started = time.perf_counter()
     try:
-        call = _start(candidate, r, fresh, context)
+        call = candidate.start(tensor, r.op, r.group, r.nonfinite, r.stats, context, run.candidate != stream.last)
     except SettingsMismatchError:  # ranks that differ: raised on every rank
         raise
     except (ValueError, TypeError):  # before any data moved, the same on every rank
         tournament.failed(run.candidate)
         run, candidate = Run(0, -1, 0), tournament.candidates[0]
-        call = _start(candidate, r, fresh, {**context, "candidate": "exact"})
+        call = candidate.start(tensor, r.op, r.group, r.nonfinite, r.stats, {**context, "candidate": "exact"})
     stream.last = run.candidate
 
     def settle(value: Any) -> list[torch.Tensor]:
@@ -132,11 +124,7 @@ def _start_auto(route: Route, r: Request, config: AutoConfig | None = None) -> W
         with shared.lock:
             seconds, shared.transport_done = done - max(started, shared.transport_done), done
         tournament.measured(run, seconds)
-        if r.nonfinite == "raise" and candidate.baseline and not bool(torch.isfinite(tensor).all()):
-            raise NonFiniteError(
-                f"cerar.all_reduce(method='auto'): the {candidate.label} sum of a tensor of {tensor.numel()} values "
-                "is not finite (some rank's input held NaN or Inf, or the sum overflowed)."
-            )
+        candidate.check_finite(tensor, r.nonfinite, f"sum of a tensor of {tensor.numel()} values")
         return [tensor]
 
     devices = [tensor.device] if tensor.device.type == "cuda" else None
@@ -151,18 +139,17 @@ def _start_auto(route: Route, r: Request, config: AutoConfig | None = None) -> W
 
 
 def _stream(
-    shared: _GroupAuto, key: tuple[Any, ...], nbytes: int, group: dist.ProcessGroup | None, budget: float | None,
-    config: AutoConfig,
-) -> _Stream:  # fmt: skip
+    shared: _GroupAuto, key: tuple[Any, ...], nbytes: int, world_size: int, budget: float | None, config: AutoConfig
+) -> _Stream:
     """The stream of ``key``, made the most recently used; a new one drops the least recently used
     past ``config.max_streams``. Its tournament runs among the candidates the pins allow."""
     stream = shared.streams.get(key)
     if stream is None:
-        candidates = _candidates(dist.get_world_size(group), budget, config)
+        candidates = _candidates(world_size, budget, config)
         allowed, _ = config.pins.allowed(candidates, nbytes)
         trials = config.trials_for(steps=False)
         tournament = Tournament(candidates, trials, config.margin, config.recheck_every, allowed)
-        stream = shared.streams[key] = _Stream(key, tournament)
+        stream = shared.streams[key] = _Stream(tournament)
         while len(shared.streams) > config.max_streams:
             shared.streams.popitem(last=False)
     shared.streams.move_to_end(key)
@@ -200,25 +187,8 @@ def _drain(shared: _GroupAuto) -> None:
     with shared.lock:
         pending, shared.outstanding = shared.outstanding, []
     for future in pending:
-        try:
+        with contextlib.suppress(Exception):
             future.wait()
-        except Exception:
-            pass
-
-
-def _start(candidate: Candidate, r: Request, fresh: bool, context: dict[str, Any]) -> Work:
-    """Start ``candidate``'s row on the call (in place, asynchronously), its settings ``context``
-    agreed in the row's handshake (the exact row: a handshake alone on cerar's thread, in order
-    with the calls in flight, then torch's all-reduce on the caller's thread)."""
-    route = candidate.route
-    fresh = fresh and candidate.coded and route.wire is not None
-    options = {"code": candidate.code, "fresh_scale": fresh} if candidate.coded else {}
-    call = route.start(route, Request(
-        r.tensor, r.op, r.group, True, nonfinite=r.nonfinite, max_error=None, stats=r.stats, context=context,
-        **options,
-    ))  # fmt: skip
-    assert call is not None  # a member: checked by the caller
-    return call
 
 
 #: ``method="auto"``'s row: the fastest of the rows its candidates name, within ``max_error``.

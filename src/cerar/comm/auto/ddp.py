@@ -4,20 +4,18 @@ the winner of a :class:`cerar.comm.auto.tournament.Tournament` over whole steps.
     >>> state = cerar.ddp.AutoState(max_error=1e-3)
     >>> ddp_model.register_comm_hook(state, cerar.ddp.auto_hook)
 
-The candidates (:mod:`cerar.comm.auto.candidates`): ``exact`` (DDP's default all-reduce),
-``fp16`` (torch's ``fp16_compress_hook``), CERAR with float32 and with float16 packets; those
-predicted above ``max_error`` are left out. A step is timed from the end of the step before to
-its last bucket's completion (forward, backward and the optimizer: what the method costs the
-step); every bucket of a step goes by the step's candidate, except buckets under
-``min_bucket_bytes`` (exact) and buckets a pinned row holds (its first matching candidate
-unless the step's matches). The ranks agree the settings at the first bucket and each round's
-times on a side Gloo group made with the hook's own group; DDP rebuilding its buckets starts a
-duel. A candidate that fails to start, or whose handshake finds a mismatch, sends that bucket
-exact and is out. ``state.last_step.buckets`` says where each bucket went and why.
+The candidates are the DDP context's rows (:data:`cerar.comm.auto.candidates.ROWS`: the 16-bit
+rings are torch's compress hooks); those predicted above ``max_error`` are left out. A step is
+timed from the end of the step before to its last bucket's completion (forward, backward and the
+optimizer: what the method costs the step); every bucket of a step goes by the step's candidate,
+except buckets under ``min_bucket_bytes`` (exact) and buckets a pinned row holds (its first
+matching candidate unless the step's matches). The ranks agree the settings at the first bucket
+and each round's times on a side Gloo group made with the hook's own group; DDP rebuilding its
+buckets starts a duel. A candidate that fails to start, or whose handshake finds a mismatch, sends
+that bucket exact and is out. ``state.last_step.buckets`` says where each bucket went and why.
 """
 
 # No ``from __future__ import annotations``: DDP inspects the hook's annotations.
-import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, fields
@@ -30,8 +28,6 @@ from cerar.coding.code import MAX_ERROR, check_max_error
 from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.side import SideGroup
 from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
-from cerar.comm.collective.call import NonFiniteError
-from cerar.comm.collective.routes import Request
 from cerar.comm.ddp.checkpoint import SETTINGS, Setting
 from cerar.comm.ddp.state import CerarState, logger
 from cerar.comm.ring.exact import exact_all_reduce
@@ -174,11 +170,6 @@ class AutoState(CerarState):
     def decisions(self) -> list[dict[str, Any]]:
         return [] if self.tournament is None else self.tournament.history
 
-    def __getstate__(self) -> dict[str, Any]:
-        skip = self._NOT_PICKLED + self._RESOLVED_AGAIN
-        logger.warning("NOTE: process groups are not serialisable and are left out of the saved AutoState.")
-        return {k: getattr(self, k) for k in CerarState.__slots__ + AutoState.__slots__ if k not in skip}
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._forget()
@@ -215,22 +206,16 @@ class AutoState(CerarState):
         self.tournament.measured(self._run, math.inf if previous is None else now - previous)
 
 
-# -- the candidates' calls -----------------------------------------------------------------
+# -- the hook ------------------------------------------------------------------------------
 
 
 def _start(
     state: AutoState, candidate: Candidate, bucket: dist.GradBucket, group: Any, call: CommStats, fresh: bool
 ) -> torch.futures.Future[Any]:
-    """Start ``candidate``'s row of the route table on the bucket (averaged in place): torch's
-    rows on DDP's own group, cerar's on the hook's. 16-bit packets after another method ran the
-    bucket take their scale from its data: the one its last CERAR call left may no longer fit
-    (every rank switches at the same step)."""
-    route = candidate.route
-    target = state.process_group if route.transport == "torch" else group
-    options = {"code": candidate.code, "fresh_scale": fresh and route.wire is not None} if candidate.coded else {}
-    request = Request(bucket.buffer(), "avg", target, True, nonfinite=state.nonfinite, max_error=None, stats=call)
-    work = route.start(route, dataclasses.replace(request, **options))
-    return work.future
+    """Start ``candidate`` on the bucket (averaged in place): torch's rows on DDP's own group,
+    cerar's on the hook's."""
+    target = state.process_group if candidate.route.transport == "torch" else group
+    return candidate.start(bucket.buffer(), "avg", target, state.nonfinite, call, fresh=fresh).future
 
 
 def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -253,8 +238,8 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if buffer.layout != torch.strided:  # sparse: DDP's default, as cerar_hook does
         state.bucket_started(bucket.is_last())
         state.sparse_buckets += 1
-        future, k, reason = _start(state, candidates[0], bucket, group, CommStats(), False), 0, "sparse"
-        return _chain(state, bucket, future, candidates[0], reason, None)
+        future = _start(state, candidates[0], bucket, group, CommStats(), False)
+        return _chain(state, bucket, future, candidates[0], "sparse", None)
     if not state._in_pass:
         state.begin_step()
     state._in_pass = not bucket.is_last()
@@ -275,7 +260,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state.bucket_done(None, None)
         raise
     state._last[index] = k
-    if candidates[k].transport == "torch":  # cerar's transport measures its own bytes
+    if candidates[k].route.transport == "torch":  # cerar's transport measures its own bytes
         state.torch_bytes += round(candidates[k].bytes_per_value * buffer.numel())
     return _chain(state, bucket, future, candidates[k], reason, (call, bucket_stats))
 
@@ -299,11 +284,7 @@ def _chain(
                 state.tournament.failed(state.candidates.index(candidate))
                 result, reason = bucket.buffer(), "fallback"
                 exact_all_reduce(result, state.side.group, average=True)
-            if state.nonfinite == "raise" and candidate.baseline and not bool(torch.isfinite(result).all()):
-                raise NonFiniteError(
-                    f"cerar auto: the {candidate.label} average of bucket {bucket.index()} is not finite (some rank's "
-                    "gradient held NaN or Inf, or the sum overflowed)."
-                )
+            candidate.check_finite(result, state.nonfinite, f"average of bucket {bucket.index()}")
             record = BucketRecord(
                 bucket.index(), result.numel(), result.numel() * result.element_size(),
                 candidate.label if reason != "fallback" else "exact", reason, time.perf_counter() - started,

@@ -15,9 +15,9 @@ once)::
 :func:`fit_cost_model` fits it to timed calls (each a median of the slowest rank's times) by
 non-negative least squares with relative weights (times span decades; every size counts alike).
 Measured under real traffic the ``gamma`` terms carry what coding costs while backward competes
-for the cores. :func:`decide_slot` then picks a size's method: the smallest predicted time, CERAR
-only when it beats the best exact/16-bit candidate by ``margin``. ``cerar plan`` and the bench's
-prediction column use it; ``method="auto"`` decides by its tournament
+for the cores. :func:`decide_slot` then picks a size's method by the tournament's rule: the
+smallest predicted time, CERAR only when it beats the best ring by ``margin``. ``cerar plan`` and
+the bench's prediction column use it; ``method="auto"`` decides by its tournament
 (:mod:`cerar.comm.auto.tournament`), not by the model.
 """
 
@@ -26,32 +26,22 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from cerar.comm.auto.candidates import Candidate
+from cerar.comm.auto.candidates import Candidate, rank
 
-__all__ = ["REASONS", "Choice", "CostModel", "decide_slot", "fit_cost_model"]
-
-#: Why a size went the way it did (``Choice.reason``).
-REASONS = {
-    "fastest": "the smallest predicted time within the budget",
-    "budget": "the only candidate within the error budget",
-    "margin": "CERAR was predicted faster, but not by the margin: the best exact/16-bit ring",
-    "pinned": "the user's pinned table restricts this size",
-}
+__all__ = ["Choice", "CostModel", "decide_slot", "fit_cost_model"]
 
 
-@dataclass(frozen=True)
-class Choice:
-    """One size's method: the candidate's index, the reason (a key of :data:`REASONS`), its
-    predicted seconds where known, and the baseline (the best exact/16-bit ring)."""
+class Choice(NamedTuple):
+    """One size's method: the candidate's index and why: ``"fastest"`` (the smallest predicted
+    time), ``"budget"`` (the only candidate within the error budget) or ``"margin"`` (CERAR was
+    predicted faster, but not by the margin: the best ring)."""
 
     candidate: int
     reason: str
-    predicted_s: float | None = None
-    baseline: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +63,7 @@ class CostModel:
 
     def knows(self, candidate: Candidate) -> bool:
         """Whether every term of ``candidate`` was fitted."""
-        return candidate.transport in self.alpha_s and (
+        return candidate.route.transport in self.alpha_s and (
             not candidate.coding or candidate.label in self.gamma_s_per_value
         )
 
@@ -83,7 +73,7 @@ class CostModel:
             return math.inf
         gamma = self.gamma_s_per_value.get(candidate.label, 0.0) if candidate.coding else 0.0
         return (
-            candidate.rounds * self.alpha_s[candidate.transport]
+            candidate.rounds * self.alpha_s[candidate.route.transport]
             + candidate.bytes_per_value * values * self.beta_s_per_byte
             + values * gamma
         )
@@ -123,12 +113,12 @@ def fit_cost_model(observations: Iterable[tuple[Candidate, float, float]]) -> Co
     rows = [(c, float(v), float(t)) for c, v, t in observations if math.isfinite(t) and t > 0 and v > 0]
     if not rows:
         return None
-    transports = sorted({c.transport for c, _, _ in rows})
+    transports = sorted({c.route.transport for c, _, _ in rows})
     coded = sorted({c.label for c, _, _ in rows if c.coding})
     columns = [("alpha", t) for t in transports] + [("beta", "")] + [("gamma", label) for label in coded]
     design = np.zeros((len(rows), len(columns)))
     for i, (candidate, values, _) in enumerate(rows):
-        design[i, columns.index(("alpha", candidate.transport))] = candidate.rounds
+        design[i, columns.index(("alpha", candidate.route.transport))] = candidate.rounds
         design[i, columns.index(("beta", ""))] = candidate.bytes_per_value * values
         if candidate.coding:
             design[i, columns.index(("gamma", candidate.label))] = values
@@ -149,34 +139,11 @@ def fit_cost_model(observations: Iterable[tuple[Candidate, float, float]]) -> Co
     )
 
 
-def decide_slot(
-    candidates: Sequence[Candidate], predicted: Sequence[float], allowed: Sequence[int], *, margin: float,
-    pinned: bool = False,
-) -> Choice:  # fmt: skip
-    """One size's choice from each candidate's predicted seconds (``inf``: unknown or failed):
-    among ``allowed`` (the budget's candidates the pinned table leaves; a pin's reason is
-    ``"pinned"``) the fastest, CERAR only if it is predicted faster than the best exact/16-bit
-    ring (the baseline) by ``margin`` (a fraction), else the baseline (``"margin"``). Ties go to
-    the lower index (exact first), so the result depends only on the numbers."""
-    allowed = list(allowed)
-    if not allowed:
-        raise ValueError("Argument 'allowed' must name at least one candidate, not [].")
-
-    def best(indices: Sequence[int]) -> int | None:
-        known = [i for i in indices if math.isfinite(predicted[i])]
-        return min(known, key=lambda i: (predicted[i], i)) if known else None
-
-    baselines = [i for i in allowed if candidates[i].baseline]
-    baseline = best(baselines)
-    if baseline is None:
-        baseline = baselines[0] if baselines else allowed[0]
-    winner = best(allowed)
-    reason = "pinned" if pinned else "budget" if len(allowed) == 1 else "fastest"
-    if winner is None:
-        winner = baseline
-    elif not candidates[winner].baseline and not pinned:
-        base_time = predicted[baseline]
-        if math.isfinite(base_time) and not predicted[winner] < (1.0 - margin) * base_time:
-            winner, reason = baseline, "margin"
-    chosen = predicted[winner]
-    return Choice(winner, reason, chosen if math.isfinite(chosen) else None, baseline=baseline)
+def decide_slot(candidates: Sequence[Candidate], predicted: Sequence[float], *, margin: float) -> Choice:
+    """One size's choice from each candidate's predicted seconds (``inf``: unknown): the first by
+    :func:`cerar.comm.auto.candidates.rank`, the tournament's rule (CERAR only by ``margin``, a
+    fraction, over the best ring)."""
+    everyone = range(len(candidates))
+    winner = rank(candidates, predicted, everyone, margin)[0]
+    fastest = min(everyone, key=lambda i: (predicted[i], i))
+    return Choice(winner, "budget" if len(candidates) == 1 else "fastest" if winner == fastest else "margin")

@@ -50,7 +50,7 @@ class PinnedRow:
 
     def matches(self, candidate: Candidate) -> bool:
         return (
-            (self.algorithm is None or candidate.algorithm == self.algorithm)
+            (self.algorithm is None or self.algorithm == ("cerar" if candidate.route.coded else "ring"))
             and (self.wire is None or candidate.wire == self.wire)
             and (self.components is None or candidate.components == self.components)
         )

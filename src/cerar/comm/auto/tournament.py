@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from cerar._checks import check_float, check_int
-from cerar.comm.auto.candidates import CANDIDATE_NAMES, DEFAULT_CANDIDATES, Candidate
+from cerar.comm.auto.candidates import CANDIDATE_NAMES, DEFAULT_CANDIDATES, Candidate, rank
 from cerar.comm.auto.pins import PinnedTable
 
 __all__ = ["CUT", "AutoConfig", "Run", "Tournament"]
@@ -217,17 +217,10 @@ class Tournament:
         self._start([], "decided")
 
     def _ranking(self, among: Sequence[int]) -> list[int]:
-        """``among`` by median; a CERAR one counts as faster than the fastest ring only if it
-        beats it by ``margin``; unmeasured ones last."""
-        medians = {k: statistics.median(self.counted[k]) if self.counted[k] else math.inf for k in among}
-        best_ring = min((medians[k] for k in among if self.candidates[k].baseline), default=math.inf)
-
-        def key(k: int) -> tuple[float, int, int]:
-            if not self.candidates[k].baseline and not medians[k] < (1 - self.margin) * best_ring:
-                return (max(medians[k], best_ring), 1, k)  # not the margin faster: behind the rings
-            return (medians[k], 0, k)
-
-        return sorted(among, key=key)
+        """``among`` by median, CERAR behind the fastest ring unless the margin faster
+        (:func:`cerar.comm.auto.candidates.rank`); unmeasured ones last."""
+        medians = [statistics.median(times) if times else math.inf for times in self.counted.values()]
+        return rank(self.candidates, medians, among, self.margin)
 
     def _crown(self, event: str) -> None:
         """The winner among the remaining; the runner-up, its duel's challenger, the next best of

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cerar.coding.code import Code
-from cerar.comm.ddp.state import CerarState, logger
+from cerar.comm.ddp.state import CerarState
 from cerar.comm.ring.exact import new_group_like
 from cerar.comm.ring.groups import require_initialised
 from cerar.comm.ring.layout import NodeLayout, node_layout
@@ -55,13 +55,6 @@ class HierarchicalState(CerarState):
         self.ranks_per_node: int | None = ranks_per_node
         self.layout: NodeLayout | None = None
         super().__init__(process_group, code, **settings)  # type: ignore[arg-type]
-
-    def __getstate__(self) -> dict[str, object]:
-        """As :meth:`CerarState.__getstate__`, over both classes' attributes."""
-        names = CerarState.__slots__ + HierarchicalState.__slots__
-        skip = self._NOT_PICKLED + self._RESOLVED_AGAIN
-        logger.warning("NOTE: process groups are not serialisable and are left out of the saved HierarchicalState.")
-        return {k: getattr(self, k) for k in names if k not in skip}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         super().__setstate__(state)

@@ -249,9 +249,12 @@ class CerarState(ReplicaSync):
                 setattr(self, name, value)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the process groups, ``on_step`` and a step in flight."""
-        logger.warning("NOTE: process groups are not serialisable and are left out of the saved CerarState.")
-        return {k: getattr(self, k) for k in self.__slots__ if k not in self._NOT_PICKLED + self._RESOLVED_AGAIN}
+        """Everything but the process groups, ``on_step`` and a step in flight (a subclass's own
+        attributes too: each class lists only its own ``__slots__``)."""
+        name = type(self).__name__
+        logger.warning("NOTE: process groups are not serialisable and are left out of the saved %s.", name)
+        names = [name for cls in reversed(type(self).__mro__) for name in getattr(cls, "__slots__", ())]
+        return {k: getattr(self, k) for k in names if k not in self._NOT_PICKLED + self._RESOLVED_AGAIN}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore settings and statistics; the process group becomes the default group."""

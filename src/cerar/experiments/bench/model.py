@@ -9,24 +9,24 @@ from typing import Any
 
 from cerar.comm.auto.candidates import Candidate
 from cerar.comm.auto.model import CostModel, fit_cost_model
+from cerar.comm.collective.routes import get_route
 
 __all__ = ["AUTO_LABELS", "add_predictions", "candidate_of", "fit_regime"]
 
 #: The bench method each auto candidate is (the collective's candidates: exact is Gloo's all-reduce,
 #: the 16-bit rings cerar's ring with a 16-bit wire).
 AUTO_LABELS = {"exact": "builtin", "fp16": "ring-fp16", "bf16": "ring-bf16"}
-_RING_WIRES = {"builtin": "fp32", "ring": "fp32", "ring-fp16": "fp16", "ring-bf16": "bf16"}
+#: The flat bench methods the model covers, and the row of the route table each runs.
+_ROWS = {"builtin": "exact", **{m: m for m in ("ring", "ring-fp16", "ring-bf16", "cerar", "cerar-fp16", "cerar-bf16")}}
 
 
 def candidate_of(method: str, components: int | None, world_size: int) -> Candidate | None:
     """The bench method ``method`` (with ``c``) as a candidate of the model; None for the ones it
-    does not cover (hierarchical, auto)."""
-    if method in _RING_WIRES:
-        return Candidate(method, _RING_WIRES[method], "torch" if method == "builtin" else "cerar", world_size)
-    if method in ("cerar", "cerar-fp16", "cerar-bf16") and components is not None:
-        wire = "fp32" if method == "cerar" else method.removeprefix("cerar-")
-        return Candidate(method, wire, "cerar", world_size, components)
-    return None
+    does not cover (hierarchical, auto, the 8-bit rings, CERAR without ``c``)."""
+    route = get_route(_ROWS[method]) if method in _ROWS else None
+    if route is None or (route.coded and components is None):
+        return None
+    return Candidate(method, route, world_size, components if route.coded else None)
 
 
 def fit_regime(records: Iterable[dict[str, Any]], world_size: int) -> CostModel | None:
