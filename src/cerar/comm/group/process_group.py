@@ -53,6 +53,7 @@ from cerar.comm.collective.checks import check_packet_dtype, check_wire_dtype
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.routes import Route, route_for, start
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
+from cerar.comm.group.in_order import issue_in_order
 from cerar.comm.ring.groups import ring_of
 from cerar.comm.ring.thread import COMM
 from cerar.comm.ring.work import Work, chain
@@ -224,7 +225,7 @@ class CerarProcessGroup(dist.ProcessGroup):
                 ring = ring_of(self.transport)
                 assert ring is not None
                 agree = functools.partial(agree_call, ring, settings, tensors[0].device, None)
-            future = _issued(functools.partial(handed, copies), tensors, agree)
+            future = issue_in_order(functools.partial(handed, copies), tensors, agree)
 
         def timed(done: torch.futures.Future[Any]) -> Any:
             try:
@@ -296,78 +297,10 @@ def _op_name(op: Any) -> str:
     return _OP_NAMES.get(kind, str(kind).rsplit(".", 1)[-1].lower())
 
 
-def _issued(
-    issue: Callable[[], dist.Work], tensors: list[torch.Tensor], agree: Callable[[], None] | None = None
-) -> torch.futures.Future[Any]:
-    """A call of the exact group, issued on the communication thread after every cerar call queued
-    before it (and ``agree``, its settings' agreement, if any), and its completion.
-
-    Issued there, not on the caller's thread: the ranks' exact-group calls and cerar's calls then
-    keep one order, the order they were made in, on every rank (Gloo pairs a group's calls by
-    their order), and the caller is not held while an agreement waits on a peer, so a
-    ``wait(timeout=)`` on the handle is honoured. The communication thread only issues the call:
-    it never waits for the exact group, whose calls may need the peers' later ones (send/recv).
-    """
-    issued: list[torch.futures.Future[Any]] = []
-
-    def run() -> None:
-        if agree is not None:
-            agree()
-        issued.append(_future_of(issue(), tensors))
-
-    queued = COMM.submit(run, tensors[0] if tensors else torch.empty(0), True)
-    assert queued is not None
-    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-    out: torch.futures.Future[Any] = torch.futures.Future(devices=devices or None)
-
-    def finished(done: torch.futures.Future[Any]) -> None:
-        try:
-            out.set_result(done.wait())
-        except BaseException as exc:  # the exact group's error, as it raised it
-            out.set_exception(exc)
-
-    def ran(done: torch.futures.Future[Any]) -> None:
-        try:
-            done.wait()  # the agreement's error (a mismatch, a dead peer), with its own type
-        except BaseException as exc:
-            out.set_exception(exc)
-        else:
-            issued[0].add_done_callback(finished)
-
-    queued.future.add_done_callback(ran)
-    return out
-
-
-def _future_of(work: dist.Work, tensors: list[torch.Tensor]) -> torch.futures.Future[Any]:
-    """``work``'s future; for a Gloo work that has none (``reduce_scatter``), one completed by a
-    thread that waits for it (value: its result, else ``tensors``), so that the communication
-    thread never does."""
-    try:
-        return work.get_future()
-    except RuntimeError:  # "Work::getFuture not implemented"
-        pass
-    future: torch.futures.Future[Any] = torch.futures.Future()
-
-    def wait() -> None:
-        try:
-            work.wait()
-        except BaseException as exc:
-            future.set_exception(exc)
-            return
-        try:
-            value = work.result()
-        except RuntimeError:  # "result() not implemented": the tensors, reduced in place
-            value = tensors
-        future.set_result(value)
-
-    threading.Thread(target=wait, name="cerar-exact-wait", daemon=True).start()
-    return future
-
-
 def _handed_over(name: str) -> Callable[..., Any]:
     """A collective of the exact group, as it is, counted by route, issued in order with cerar's
-    calls (:func:`_issued`; point-to-point calls at once); ``monitored_barrier``, which blocks and
-    returns nothing, waits."""
+    calls (:func:`~cerar.comm.group.in_order.issue_in_order`; point-to-point calls at once);
+    ``monitored_barrier``, which blocks and returns nothing, waits."""
 
     def method(self: CerarProcessGroup, *args: Any, **kwargs: Any) -> Any:
         tensors = [t for a in (*args, *kwargs.values()) for t in _tensors(a)]
@@ -378,7 +311,7 @@ def _handed_over(name: str) -> Callable[..., Any]:
         if name == "monitored_barrier":
             COMM.submit(call, torch.empty(0), False)
             return None
-        return Work(_issued(call, tensors))
+        return Work(issue_in_order(call, tensors))
 
     method.__name__ = name
     return method
