@@ -335,10 +335,7 @@ def _overlapping(rank: int, world: int, backend: str) -> dict[str, Any] | None:
     "backend",
     [
         "gloo",
-        pytest.param(
-            "cerar",
-            marks=pytest.mark.xfail(strict=True, reason="issue 53: ranks 1 and 2 deadlock, RingError at the timeout"),
-        ),
+        "cerar",
     ],
 )
 def test_overlapping_groups_in_different_orders_complete_or_raise_a_named_error_quickly(backend: str) -> None:

@@ -277,5 +277,5 @@ def shutdown(timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
         timeout_s = check_float("timeout_s", timeout_s, nonnegative=True)
     stopped = COMM.shutdown(timeout_s)
     if stopped:
-        WORKSPACE.clear()  # only the thread used it, and it is gone
+        WORKSPACE.clear_all()  # only the threads used them, and they are gone
     return stopped

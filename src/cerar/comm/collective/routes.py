@@ -244,7 +244,7 @@ def _submit(r: Request, call: Callable[..., None], *args: Any) -> Work | None:
     start ends here. detach(): the same storage, so the result lands in ``tensor``, without
     autograd, which refuses in-place writes to a leaf that requires grad (dist.all_reduce also
     bypasses it)."""
-    return COMM.submit(functools.partial(call, r.tensor.detach(), r.op, *args), r.tensor, r.async_op)
+    return COMM.submit(functools.partial(call, r.tensor.detach(), r.op, *args), r.tensor, r.async_op, r.group)
 
 
 def _start_cerar(route: Route, r: Request) -> Work | None:
@@ -299,7 +299,8 @@ def _agree_first(r: Request, bytes_per_value: Callable[[int], float]) -> None:
     ring = ring_of(r.group)
     assert ring is not None
     sent = round(bytes_per_value(ring.size) * r.tensor.numel())
-    COMM.submit(functools.partial(agree_call, ring, r.context, r.tensor.device, r.stats, sent), r.tensor, False)
+    agree = functools.partial(agree_call, ring, r.context, r.tensor.device, r.stats, sent)
+    COMM.submit(agree, r.tensor, False, r.group)
 
 
 def _start_exact(route: Route, r: Request) -> Work | None:

@@ -21,10 +21,14 @@ __all__ = ["future_of", "issue_in_order"]
 
 
 def issue_in_order(
-    issue: Callable[[], dist.Work], tensors: list[torch.Tensor], agree: Callable[[], None] | None = None
+    issue: Callable[[], dist.Work],
+    tensors: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    agree: Callable[[], None] | None = None,
 ) -> torch.futures.Future[Any]:
-    """A call of the exact group, issued on the communication thread after every cerar call queued
-    before it (and ``agree``, its settings' agreement, if any), and its completion.
+    """A call of the exact group, issued on the communication thread of ``group`` (the cerar
+    group's transport) after every cerar call queued before it (and ``agree``, its settings'
+    agreement, if any), and its completion.
 
     Issued there, not on the caller's thread: the ranks' exact-group calls and cerar's calls then
     keep one order, the order they were made in, on every rank (Gloo pairs a group's calls by
@@ -39,7 +43,7 @@ def issue_in_order(
             agree()
         issued.append(future_of(issue(), tensors))
 
-    queued = COMM.submit(run, tensors[0] if tensors else torch.empty(0), True)
+    queued = COMM.submit(run, tensors[0] if tensors else torch.empty(0), True, group)
     assert queued is not None
     devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
     out: torch.futures.Future[Any] = torch.futures.Future(devices=devices or None)

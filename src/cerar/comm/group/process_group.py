@@ -225,7 +225,7 @@ class CerarProcessGroup(dist.ProcessGroup):
                 ring = ring_of(self.transport)
                 assert ring is not None
                 agree = functools.partial(agree_call, ring, settings, tensors[0].device, None)
-            future = issue_in_order(functools.partial(handed, copies), tensors, agree)
+            future = issue_in_order(functools.partial(handed, copies), tensors, self.transport, agree)
 
         def timed(done: torch.futures.Future[Any]) -> Any:
             try:
@@ -309,9 +309,9 @@ def _handed_over(name: str) -> Callable[..., Any]:
         if name in _POINT_TO_POINT:  # paired by tag, not by order with the collectives: Gloo's own work
             return call()
         if name == "monitored_barrier":
-            COMM.submit(call, torch.empty(0), False)
+            COMM.submit(call, torch.empty(0), False, self.transport)
             return None
-        return Work(issue_in_order(call, tensors))
+        return Work(issue_in_order(call, tensors, self.transport))
 
     method.__name__ = name
     return method

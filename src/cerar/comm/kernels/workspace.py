@@ -1,4 +1,5 @@
-"""Scratch memory the runs reuse across calls (:class:`Workspace`), one for the process."""
+"""Scratch memory the runs reuse across calls (:class:`Workspace`), one per group's
+communication thread (:mod:`cerar.comm.ring.thread`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 from typing import Any
 
 import torch
+
+from cerar.comm.ring.thread import RUNNING
 
 __all__ = ["WORKSPACE", "Workspace"]
 
@@ -62,5 +65,48 @@ class Workspace:
         self.bound.clear()
 
 
-#: One workspace for the process: all cerar calls run on one communication thread.
-WORKSPACE = Workspace()
+class _GroupWorkspaces:
+    """The workspace of the group whose communication thread is running (:data:`RUNNING`): one
+    per group, since two groups' threads run calls at once; the default group's is also the one
+    any other thread sees (a caller inspecting what its calls kept)."""
+
+    def __init__(self) -> None:
+        self._by_group: dict[Any, Workspace] = {None: Workspace()}
+
+    def current(self) -> Workspace:
+        group = getattr(RUNNING, "key", None)
+        workspace = self._by_group.get(group)
+        if workspace is None:  # only the group's own thread makes it: no race
+            workspace = self._by_group[group] = Workspace()
+        return workspace
+
+    def clear_all(self) -> None:
+        """Drop every group's buffers (``cerar.shutdown``: their threads are gone)."""
+        for workspace in self._by_group.values():
+            workspace.clear()
+        self._by_group = {None: self._by_group[None]}
+
+    # The running group's workspace, as a Workspace answers.
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.current().get(name, shape, dtype, device)
+
+    def padded(self, name: str, flat: torch.Tensor, size: int) -> torch.Tensor:
+        return self.current().padded(name, flat, size)
+
+    def release(self, name: str) -> None:
+        self.current().release(name)
+
+    def clear(self) -> None:
+        self.current().clear()
+
+    @property
+    def held_bytes(self) -> int:
+        return self.current().held_bytes
+
+    @property
+    def bound(self) -> dict[Any, Any]:
+        return self.current().bound
+
+
+#: The scratch memory of the running group's calls (see :class:`_GroupWorkspaces`).
+WORKSPACE = _GroupWorkspaces()

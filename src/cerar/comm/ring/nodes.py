@@ -61,7 +61,7 @@ def prepare_nodes(group: dist.ProcessGroup | None, ranks_per_node: int | None, d
         cached = cache.get(layout.ranks_per_node)
     if cached is not None:
         return cached
-    COMM.submit(functools.partial(_agree_layout, flat, layout, device), torch.empty(0), False)
+    COMM.submit(functools.partial(_agree_layout, flat, layout, device), torch.empty(0), False, group)
     node_group = _node_groups(group, layout)
     cross = _cross_ring(group, layout) if layout.nodes > 1 else None
     nodes = Nodes(group, layout, flat, node_group, cross)

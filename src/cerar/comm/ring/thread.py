@@ -1,8 +1,11 @@
-"""The communication thread that runs every cerar call of a process.
+"""The communication threads that run cerar's calls: one per process group.
 
-One thread per process runs the calls in submission order, so async and sync calls interleave
-exactly as issued on every rank (each rank's point-to-point messages must pair up with its
-neighbours' in the same order). The thread is started on the first call and stopped by
+A group's thread runs its calls in submission order, so async and sync calls interleave exactly
+as issued on every rank (each rank's point-to-point messages must pair up with its neighbours'
+in the same order). Groups have a thread each, as Gloo's have: two groups that share ranks and
+are called in different orders by different ranks (rank 1 calls B then A, rank 2 A then B) both
+complete, where one thread for the process would hold A's call behind B's on one rank and B's
+behind A's on the other (a deadlock). Each thread is started on its group's first call and stopped by
 :meth:`CommThread.shutdown` (``cerar.shutdown()``), which is also registered with ``atexit``:
 a process that exits while a call is on the wire would otherwise tear down Gloo under a thread
 still inside it, and the C++ runtime aborts the process ("terminate called without an active
@@ -26,9 +29,10 @@ into its handshake (:class:`cerar.comm.ring.groups.CallNumber`), so calls of dif
 that meet raise :class:`cerar.SettingsMismatchError` on every rank instead of summing unrelated
 tensors. DDP's hooks run on the thread that calls ``backward()`` (on an accelerator, autograd's,
 a "native" thread on every rank), FSDP2's likewise, the loss logging after it on the main
-thread: one thread at a time, as every collective library needs. A blocking call from the
-communication thread itself (a callback), which would wait on itself forever, raises. One
-thread runs the calls of every group of the process.
+thread: one thread at a time, as every collective library needs. A blocking call from a group's
+communication thread onto the same group (a callback), which would wait on itself forever, raises.
+:data:`RUNNING` tells code running on a communication thread whose it is (the scratch memory of
+:mod:`cerar.comm.kernels.workspace` is kept per group: two groups' calls run at once).
 """
 
 from __future__ import annotations
@@ -38,20 +42,28 @@ import contextlib
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cerar.comm.ring.groups import ORIGIN, thread_key
 from cerar.comm.ring.work import Work
 
-__all__ = ["COMM", "CerarWork", "CommThread", "ShutdownError", "Work"]
+__all__ = ["COMM", "RUNNING", "CerarWork", "CommThread", "ShutdownError", "Work"]
 
 #: How long :meth:`CommThread.shutdown` waits for the calls already submitted, by default. The
 #: calls of a healthy ring finish in well under this; a call waiting on a dead peer fails by
 #: itself within the process group's timeout.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
+
+
+#: On a communication thread, ``RUNNING.key``: the group whose calls it runs (None: the default
+#: group's, or no communication thread).
+RUNNING = threading.local()
 
 
 class ShutdownError(RuntimeError):
@@ -98,6 +110,13 @@ def _device_sync(tensors: list[torch.Tensor]) -> _DeviceSync | None:
     return _DeviceSync(tensors) if tensors and tensors[0].device.type == "cuda" else None
 
 
+def _key(group: Any) -> Any:
+    """The thread a group's calls go to: the default group's (None) for None and the world."""
+    if group is None or (dist.is_initialized() and group is dist.group.WORLD):
+        return None
+    return group
+
+
 #: The name the async handle had before one class served every way in.
 CerarWork = Work
 
@@ -122,14 +141,17 @@ class _Worker:
     gave up on (stuck in a call) must never pick up the calls of the thread that replaces it.
     """
 
-    def __init__(self, finished: Callable[[object], None]) -> None:
+    def __init__(self, finished: Callable[[object], None], key: Any = None) -> None:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.finished = finished  # told before each future completes (see _Callers)
-        self.thread = threading.Thread(target=self._loop, name="cerar-comm", daemon=True)
+        self.key = key
+        name = "cerar-comm" if key is None else f"cerar-comm-{id(key):x}"
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads()))
+        RUNNING.key = self.key
         while True:
             job = self.jobs.get()
             if job is None:
@@ -197,24 +219,31 @@ class _Callers:
 
 
 class CommThread:
-    """The process's communication thread: started on demand, stopped by :meth:`shutdown`."""
+    """The process's communication threads, one per group: started on demand, stopped by
+    :meth:`shutdown`."""
 
     def __init__(self) -> None:
-        self._worker: _Worker | None = None
+        self._workers: dict[Any, _Worker] = {}
         # Held while a thread is started or stopped, and while a call is queued: a call
         # submitted during a shutdown waits for it and then goes to a fresh thread, so two
-        # threads never run calls at the same time.
+        # threads never run one group's calls at the same time.
         self._lock = threading.Lock()
         self._atexit_registered = False
-        self._callers = _Callers()
+        self._callers: dict[Any, _Callers] = {}
 
     def submit(
-        self, run: Callable[[], None], tensors: torch.Tensor | list[torch.Tensor], async_op: bool
+        self,
+        run: Callable[[], None],
+        tensors: torch.Tensor | list[torch.Tensor],
+        async_op: bool,
+        group: Any = None,
     ) -> Work | None:
-        """Queue ``run`` (which works on ``tensors`` in place); a :class:`Work` whose future's value
-        is ``tensors`` (a list), or with ``async_op=False`` wait for it (its error raised here)."""
+        """Queue ``run`` (which works on ``tensors`` in place) on ``group``'s thread (None: the
+        default group's); a :class:`Work` whose future's value is ``tensors`` (a list), or with
+        ``async_op=False`` wait for it (its error raised here)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        worker = self._worker
+        group = _key(group)
+        worker = self._workers.get(group)
         if not async_op and worker is not None and worker.thread is threading.current_thread():
             raise RuntimeError(
                 "cerar: a blocking call (async_op=False) cannot be made from the communication thread "
@@ -223,56 +252,61 @@ class CommThread:
         sync = _device_sync(tensors)
         devices = [sync.device] if sync is not None else None
         job = _Job(run, torch.futures.Future(devices=devices), tensors, sync)
-        self._callers.enter(job.token)
+        with self._lock:
+            callers = self._callers.setdefault(group, _Callers())
+        callers.enter(job.token)
         try:
-            self._queue(job)
+            self._queue(job, group, callers)
         except BaseException:
-            self._callers.leave(job.token)
+            callers.leave(job.token)
             raise
         if async_op:
             return Work(job.future)
         job.future.wait()  # the call's own error; on an accelerator, orders the current stream after it
         return None
 
-    def _queue(self, job: _Job) -> None:
+    def _queue(self, job: _Job, group: Any, callers: _Callers) -> None:
         with self._lock:
-            if self._worker is None or not self._worker.thread.is_alive():
-                self._worker = _Worker(self._callers.leave)
+            worker = self._workers.get(group)
+            if worker is None or not worker.thread.is_alive():
+                worker = self._workers[group] = _Worker(callers.leave, group)
                 if not self._atexit_registered:
                     # Registered at the first call, so it runs before the exit handlers of
                     # whatever the program set up before (atexit runs them last-in first-out).
                     atexit.register(self.shutdown)
                     self._atexit_registered = True
-            self._worker.jobs.put(job)
+            worker.jobs.put(job)
 
     def shutdown(self, timeout_s: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> bool:
-        """Stop the thread after the calls already submitted; see ``cerar.shutdown``.
+        """Stop the threads after the calls already submitted; see ``cerar.shutdown``.
 
-        Returns True if the thread is gone (or never ran), False if a call was still running
+        Returns True if every thread is gone (or none ran), False if a call was still running
         after ``timeout_s`` (the calls queued behind it then fail with :class:`ShutdownError`
-        and the thread is abandoned; it exits once that call returns).
+        and its thread is abandoned; it exits once that call returns).
         """
         with self._lock:
-            worker, self._worker = self._worker, None
-            if worker is None:
-                return True
-            if worker.thread is threading.current_thread():
-                self._worker = worker
+            workers, self._workers = self._workers, {}
+            current = threading.current_thread()
+            if any(worker.thread is current for worker in workers.values()):
+                self._workers = workers
                 raise RuntimeError("cerar.shutdown cannot be called from the communication thread (a callback).")
-            worker.jobs.put(None)
-            worker.thread.join(timeout_s)
-            if worker.thread.is_alive():
-                worker.fail_queued()
-                worker.jobs.put(None)  # the stop request was drained too: ask again
-                return False
-        return True
+            for worker in workers.values():
+                worker.jobs.put(None)
+            stopped, deadline = True, None if timeout_s is None else time.monotonic() + timeout_s
+            for worker in workers.values():
+                worker.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if worker.thread.is_alive():
+                    worker.fail_queued()
+                    worker.jobs.put(None)  # the stop request was drained too: ask again
+                    stopped = False
+        return stopped
 
     def _after_fork(self) -> None:
         # A forked child has no thread (only the forking one survives fork) and may have
         # inherited the lock held: start from scratch.
-        self._worker = None
+        self._workers = {}
         self._lock = threading.Lock()
-        self._callers = _Callers()
+        self._callers = {}
 
 
 COMM = CommThread()
