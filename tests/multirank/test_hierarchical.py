@@ -160,6 +160,15 @@ def _environment_worker(rank: int, world: int) -> dict[str, Any]:
         cerar.hierarchical_all_reduce(x, ranks_per_node=2, code=codes.perturbed(4, 8))
     except ValueError as exc:
         out["code"] = str(exc)
+    # max_error binds the code between the 2 nodes: no bfloat16 code for 2 ranks meets 1e-3 (the
+    # exact code's own rounding); a float16 one meets 2e-2 and runs.
+    try:
+        cerar.hierarchical_all_reduce(x, ranks_per_node=2, packet_dtype=torch.bfloat16, max_error=1e-3)
+    except ValueError as exc:
+        out["max_error"] = str(exc)
+    y = torch.ones(5)
+    cerar.hierarchical_all_reduce(y, ranks_per_node=2, packet_dtype=torch.float16, max_error=2e-2)
+    out["within"] = y.tolist()
     os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2))
     layout = cerar.hierarchical.node_layout()
     out["layout"] = (layout.nodes, layout.ranks_per_node, layout.node, layout.local_rank)
@@ -181,6 +190,8 @@ def test_layout_from_torchrun_variables_and_argument_errors() -> None:
         assert r["bad 0"].startswith("Argument 'ranks_per_node' must be")
         assert "ranks_per_node" in r["bad True"] and "ranks_per_node" in r["bad 2.0"]
         assert r["code"] == "Argument 'code' must be for the group's 2 nodes, not world_size=4."
+        assert "N=2" in r["max_error"] and "bf16" in r["max_error"] and "limit 0.001" in r["max_error"], r
+        assert r["within"] == pytest.approx([4.0] * 5, rel=2e-2)
         assert r["layout"] == (2, 2, rank // 2, rank % 2)
         assert r["sum"] == pytest.approx([4.0] * 5, rel=1e-3)
         assert r["bad_env"].startswith("Environment variable GROUP_RANK=")

@@ -203,6 +203,7 @@ def hierarchical_all_reduce(
     nonfinite: str = "raise",
     packet_dtype: torch.dtype | None = None,
     stats: CommStats | None = None,
+    max_error: float | None = MAX_ERROR,
 ) -> Work | None:
     """Sum (or average) ``tensor`` over ``group``, exactly inside each node and with CERAR
     between nodes, in place (:mod:`cerar.comm.collective.hierarchical`).
@@ -213,13 +214,16 @@ def hierarchical_all_reduce(
         ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
             ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
         code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
-            Default: :func:`cerar.comm.collective.codes.resolve_code` for ``M`` and the dtypes.
+            Default: :func:`cerar.comm.collective.codes.code_within` for ``M``, the packets'
+            precision and ``max_error``.
         nonfinite: ``"raise"``, ``"exact"`` (the shards holding NaN/Inf cross the nodes by the
             exact ring) or ``"ignore"``.
+        max_error: as :func:`all_reduce`, for the code between nodes: a given code predicted
+            above it is refused, the default replaced by one within it or refused with the figures.
     """
     return start(
         "hier-cerar", tensor, op, group, async_op, ranks_per_node=ranks_per_node, code=code, nonfinite=nonfinite,
-        packet_dtype=packet_dtype, stats=stats, max_error=None,
+        packet_dtype=packet_dtype, stats=stats, max_error=max_error,
     )  # fmt: skip
 
 

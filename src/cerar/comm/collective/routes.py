@@ -287,7 +287,14 @@ def _start_hierarchical(route: Route, r: Request) -> Work | None:
         )
     family = "cerar" if route.coded else "ring"
     nonfinite = r.nonfinite if route.coded else "ignore"
-    return _submit(r, hierarchical_call, nodes, family, r.code, nonfinite, r.stats, _packet(route, r), r.context)
+    packet, code = _packet(route, r), r.code
+    if route.coded and nodes.layout.nodes > 1:  # the code between nodes, bound by max_error as the flat call's
+        precision = precision_name(packet or working_dtype(r.tensor.dtype))
+        if code is not None:
+            check_usable(code, precision, r.max_error)
+        else:
+            code = code_within(nodes.layout.nodes, precision, r.max_error)
+    return _submit(r, hierarchical_call, nodes, family, code, nonfinite, r.stats, packet, r.context)
 
 
 def _agree_first(r: Request, bytes_per_value: Callable[[int], float]) -> None:
