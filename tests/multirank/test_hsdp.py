@@ -104,3 +104,47 @@ def test_hsdp_with_cerar_between_nodes_matches_torchs_within_the_bound(route: st
         # Three SGD steps of three parameter groups (the root holds none): one all-reduce each,
         # the first micro-batch's skipped by each route's switch.
         assert out["coded_calls"] == 3 * 3
+
+
+# -- failures under HSDP: the error's type on every rank, a stopped rank ---------------------
+
+
+def _hsdp_failure(rank: int, world_size: int, case: str) -> dict[str, Any] | None:
+    import datetime
+    import time
+
+    import cerar.group
+
+    timeout = datetime.timedelta(seconds=5)
+    groups = cerar.group.hsdp_groups(PER_NODE, min_bytes=0, nonfinite="raise", timeout=timeout)
+    model = _shard(_model(), groups.mesh)
+    if case == "stopped" and rank == world_size - 1:
+        time.sleep(15)  # never calls: its node-mate and the other nodes must raise on their own
+        return None
+    started = time.monotonic()
+    try:
+        loss = _loss(model, rank, 0)  # forward: the shard group's all-gathers
+        if case == "nan" and rank == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        out: dict[str, Any] = {"type": None, "message": ""}
+    except Exception as exc:  # what FSDP2's caller sees, with its type
+        out = {"type": type(exc).__name__, "message": str(exc)[:400]}
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+def test_hsdp_a_nonfinite_gradient_raises_its_own_type_on_every_rank() -> None:
+    """nonfinite="raise" on the replicate groups: FSDP2's all-reduce across nodes raises
+    cerar.NonFiniteError on every rank of the mesh (the shard a NaN reaches is every rank's)."""
+    for out in check(run_ranks(_hsdp_failure, NODES * PER_NODE, "nan", timeout=TIMEOUT, pg_timeout=20)):
+        assert out["type"] == "NonFiniteError", out
+
+
+def test_hsdp_a_stopped_rank_makes_every_other_rank_raise_within_the_timeout() -> None:
+    """One rank stops before its forward pass: every other rank, its node-mate included (waiting in
+    the shard group's all-gather), raises within the groups' 5 s timeout plus a margin."""
+    results = run_ranks(_hsdp_failure, NODES * PER_NODE, "stopped", timeout=TIMEOUT, pg_timeout=20, allow_missing=True)
+    for rank, out in enumerate(results[:-1]):
+        assert out is not None and out["type"] is not None, (rank, out)
+        assert out["seconds"] < 12.0, (rank, out)
