@@ -1,6 +1,6 @@
 """``cerar plan``: ``method="auto"``'s cost model fitted here, and the method it picks per size.
 
-The model (:mod:`cerar.comm.auto.model`) comes from a bench JSON (``cerar bench --json``) or a
+The model (:mod:`cerar.experiments.bench.model`) comes from a bench JSON (``cerar bench --json``) or a
 short probe (:func:`probe`: ``cerar bench`` of builtin, ring-fp16, cerar and cerar-fp16 at
 256K-4M, 2 timed calls each). :func:`plan_table` gives each candidate's predicted time per size
 and the decision's choice (the smallest, CERAR only by the margin over the best exact/16-bit
@@ -26,8 +26,7 @@ from typing import Any
 
 from cerar._checks import format_size
 from cerar.comm.auto.candidates import CANDIDATE_NAMES, Candidate, build_candidates
-from cerar.comm.auto.model import CostModel, decide_slot
-from cerar.experiments.bench.model import AUTO_LABELS, candidate_of, fit_regime
+from cerar.experiments.bench.model import AUTO_LABELS, CostModel, candidate_of, decide_slot, fit_regime
 
 __all__ = [
     "PROBE_SIZES",
