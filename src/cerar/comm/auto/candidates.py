@@ -71,13 +71,6 @@ class Candidate:
         return self.route.precision()
 
     @property
-    def coding(self) -> bool:
-        """Whether it has a time per value beyond moving its bytes (casts, CERAR's coding, cerar's
-        transport's own work): the cost model's ``gamma`` term. Torch's exact float32
-        all-reduce, which the link's ``beta`` is measured by, has none."""
-        return not (self.route.exact and self.route.transport == "torch")
-
-    @property
     def rounds(self) -> int:
         """Sequential message rounds per call (cerar's transport adds its handshake hops)."""
         n = self.world_size

@@ -45,7 +45,15 @@ __all__ = [
     "decide_slot",
     "fit_cost_model",
     "fit_regime",
+    "has_gamma",
 ]
+
+def has_gamma(candidate: Candidate) -> bool:
+    """Whether ``candidate`` takes time per value beyond moving its bytes (casts, CERAR's coding,
+    cerar's transport's own work): the ``gamma`` term. Torch's exact float32 all-reduce, which
+    the link's ``beta`` is measured by, has none."""
+    return not (candidate.route.exact and candidate.route.transport == "torch")
+
 
 class Choice(NamedTuple):
     """One size's method: the candidate's index and why: ``"fastest"`` (the smallest predicted
@@ -76,14 +84,14 @@ class CostModel:
     def knows(self, candidate: Candidate) -> bool:
         """Whether every term of ``candidate`` was fitted."""
         return candidate.route.transport in self.alpha_s and (
-            not candidate.coding or candidate.label in self.gamma_s_per_value
+            not has_gamma(candidate) or candidate.label in self.gamma_s_per_value
         )
 
     def predict(self, candidate: Candidate, values: float) -> float:
         """Predicted seconds of one call of ``candidate`` on ``values`` values (inf if unknown)."""
         if not self.knows(candidate):
             return math.inf
-        gamma = self.gamma_s_per_value.get(candidate.label, 0.0) if candidate.coding else 0.0
+        gamma = self.gamma_s_per_value.get(candidate.label, 0.0) if has_gamma(candidate) else 0.0
         return (
             candidate.rounds * self.alpha_s[candidate.route.transport]
             + candidate.bytes_per_value * values * self.beta_s_per_byte
@@ -126,13 +134,13 @@ def fit_cost_model(observations: Iterable[tuple[Candidate, float, float]]) -> Co
     if not rows:
         return None
     transports = sorted({c.route.transport for c, _, _ in rows})
-    coded = sorted({c.label for c, _, _ in rows if c.coding})
+    coded = sorted({c.label for c, _, _ in rows if has_gamma(c)})
     columns = [("alpha", t) for t in transports] + [("beta", "")] + [("gamma", label) for label in coded]
     design = np.zeros((len(rows), len(columns)))
     for i, (candidate, values, _) in enumerate(rows):
         design[i, columns.index(("alpha", candidate.route.transport))] = candidate.rounds
         design[i, columns.index(("beta", ""))] = candidate.bytes_per_value * values
-        if candidate.coding:
+        if has_gamma(candidate):
             design[i, columns.index(("gamma", candidate.label))] = values
     times = np.array([t for _, _, t in rows])
     weighted = design / times[:, None]
