@@ -1,10 +1,8 @@
 """The candidates of ``method="auto"``: rows of the route table (:mod:`cerar.comm.collective.routes`)
-under auto's names, each with ``N``, CERAR's code and its predicted worst-rank error: what the
-budget, the tournament's order and ``cerar plan`` need (``docs/auto.md`` tabulates them). The
-row says what the candidate sends and how exact it is; this module adds only what auto decides.
-``exact`` is always admitted, the reference; the bfloat16 and float8 variants (the bytes of
-float16 or int8, more error) only when listed; a CERAR candidate whose code is the exact one
-(``c = N``, as at ``N = 2``) is left out (it is the ring with CERAR's extra rounds).
+under auto's names, each with ``N``, CERAR's code and its predicted worst-rank error
+(``docs/auto.md`` tabulates them). ``exact``, the reference, is always admitted; a CERAR
+candidate whose code is the exact one (``c = N``, as at ``N = 2``) is left out: it would be the
+ring with CERAR's extra rounds.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""``method="auto"`` for DDP: :class:`AutoState` and :func:`auto_hook` send every bucket of a step by
-the winner of a :class:`cerar.comm.auto.tournament.Tournament` over whole steps.
+"""``method="auto"`` for DDP: :func:`auto_hook` sends every bucket of a step by the step's
+candidate in :class:`AutoState`'s tournament over whole steps (``docs/auto.md``).
 
     >>> state = cerar.ddp.AutoState(max_error=1e-3)
     >>> ddp_model.register_comm_hook(state, cerar.ddp.auto_hook)
 
-The candidates are the DDP context's rows (:data:`cerar.comm.auto.candidates.ROWS`: the 16-bit
-rings are torch's compress hooks); those predicted above ``max_error`` are left out. A step is
-timed from the end of the step before to its last bucket's completion (forward, backward and the
-optimizer: what the method costs the step); every bucket of a step goes by the step's candidate,
-except buckets under ``min_bucket_bytes`` (exact) and buckets a pinned row holds (its first
-matching candidate unless the step's matches). The ranks agree the settings at the first bucket
-and each round's times on a side Gloo group made with the hook's own group; DDP rebuilding its
-buckets starts a duel. A candidate that fails to start, or whose handshake finds a mismatch, sends
-that bucket exact and is out. ``state.last_step.buckets`` says where each bucket went and why.
+A step is timed from the end of the step before to its last bucket's completion: what the method
+costs the step, CERAR's coding competing with backward for the cores included.
+``state.last_step.buckets`` says where each bucket went and why.
 """
 
 # No ``from __future__ import annotations``: DDP inspects the hook's annotations.

@@ -1,10 +1,6 @@
 """The side group on which ``method="auto"``'s ranks agree: a Gloo group over the caller's ranks,
-created once by every member at the same point, so that nothing is added on the caller's group.
-
-* :meth:`SideGroup.check` agrees everything that decides a call (or a DDP state) before any data
-  moves: a hash of the settings and a count of the calls, and on a mismatch every rank's
-  settings, so that every rank raises :class:`cerar.SettingsMismatchError` naming the setting.
-* :meth:`SideGroup.max` agrees a round's times: each the slowest rank's.
+made once by every member at the same point, so that nothing is added on the caller's group.
+:meth:`SideGroup.max` agrees a round's times, :meth:`SideGroup.check` a DDP state's settings.
 """
 
 from __future__ import annotations
