@@ -13,7 +13,7 @@ costs the step, CERAR's coding competing with backward for the cores included.
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -60,8 +60,7 @@ class AutoStep(CommStats):
 
 
 def _config_dict(config: AutoConfig) -> dict[str, Any]:
-    values = {f.name: getattr(config, f.name) for f in fields(AutoConfig)}
-    return {**values, "pins": config.pins.text(), "candidates": list(config.candidates)}
+    return {**asdict(config), "pins": config.pins.text(), "candidates": list(config.candidates)}
 
 
 def _config_from(value: Any) -> AutoConfig:

@@ -92,14 +92,10 @@ class PinnedTable:
         """The table as :meth:`parse` reads it (None for no rows)."""
         return "\n".join(str(row) for row in self.rows) or None
 
-    def row_for(self, nbytes: int) -> PinnedRow | None:
-        """The first row whose range holds ``nbytes``, or None."""
-        return next((row for row in self.rows if row.holds(nbytes)), None)
-
     def allowed(self, candidates: Sequence[Candidate], nbytes: int) -> tuple[list[int], bool]:
         """``(indices, pinned)``: the candidates a bucket of ``nbytes`` may take, and whether a
-        row restricted them."""
-        row = self.row_for(nbytes)
+        row (the first whose range holds ``nbytes``) restricted them."""
+        row = next((row for row in self.rows if row.holds(nbytes)), None)
         if row is None:
             return list(range(len(candidates))), False
         return _matching(row, candidates), True
@@ -133,9 +129,6 @@ def _row(line: str) -> PinnedRow:
         check_choice("algorithm", algorithm, ALGORITHMS)
     if wire is not None:
         check_choice("wire", wire, WIRES)
-    c = None
-    if components is not None:
-        if not components.isdigit() or int(components) < 1:
-            raise ValueError(f"c must be a positive integer or -, not {components!r}")
-        c = int(components)
-    return PinnedRow(minimum, maximum, algorithm, wire, c)
+    if components is not None and (not components.isdigit() or int(components) < 1):
+        raise ValueError(f"c must be a positive integer or -, not {components!r}")
+    return PinnedRow(minimum, maximum, algorithm, wire, None if components is None else int(components))

@@ -43,9 +43,8 @@ class SideGroup:
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, (dict(settings), self.calls), group=self.group)
         keys = list(dict.fromkeys(k for s, _ in gathered for k in s))
-        differing = [k for k in keys if len({repr(s.get(k)) for s, _ in gathered}) > 1]
-        if differing:
-            key = differing[0]
+        key = next((k for k in keys if len({repr(s.get(k)) for s, _ in gathered}) > 1), None)
+        if key is not None:  # the first setting that differs
             values = ", ".join(f"rank {r}: {s.get(key)!r}" for r, (s, _) in enumerate(gathered))
             raise SettingsMismatchError(f"cerar: ranks called {what} with different {key}: {values}")
         counts = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(gathered))

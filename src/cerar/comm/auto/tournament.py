@@ -32,8 +32,6 @@ __all__ = ["CUT", "AutoConfig", "Run", "Tournament"]
 #: median is out. Far beyond the 2-10% a run's time moves here; a close contender stays to the end.
 CUT = 1.25
 
-Agree = Callable[[Sequence[float]], list[float]]
-
 
 @dataclass(frozen=True)
 class AutoConfig:
@@ -160,7 +158,7 @@ class Tournament:
         a, b = self.winner, self.runner_up
         self._start([x for _ in range(math.ceil(self.trials / 2)) for x in (a, b, b, a)], "duel")
 
-    def close_round(self, agree: Agree) -> None:
+    def close_round(self, agree: Callable[[Sequence[float]], list[float]]) -> None:
         """Agree the round's times (each the slowest rank's) and act on them: halve, decide, or
         judge the duel. Every rank calls it at the same run, with its own measurements."""
         if not self.agree_due():
@@ -197,8 +195,8 @@ class Tournament:
 
     def _after_duel(self, agreed: list[float]) -> None:
         a, b = self.winner, self.runner_up
-        med_a = statistics.median(t for k, t in zip(self._round, agreed, strict=True) if k == a)
-        med_b = statistics.median(t for k, t in zip(self._round, agreed, strict=True) if k == b)
+        times = list(zip(self._round, agreed, strict=True))
+        med_a, med_b = (statistics.median(t for k, t in times if k == side) for side in (a, b))
         handed = med_b < (1 - self.margin) * med_a  # the runner-up takes over only on a margin win
         self.history.append({
             "run": self.runs, "event": "duel", "winner": self.label(a), "challenger": self.label(b),
