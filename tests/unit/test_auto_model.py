@@ -9,10 +9,10 @@ import math
 import pytest
 
 from cerar.comm.auto.candidates import Candidate, build_candidates
-from cerar.comm.auto.model import decide_slot, fit_cost_model
 from cerar.comm.auto.pins import PinnedTable
 from cerar.comm.auto.tournament import AutoConfig
 from cerar.comm.collective.routes import ROUTES
+from cerar.experiments.bench.model import decide_slot, fit_cost_model
 
 N = 4
 EXACT = Candidate("exact", ROUTES["exact"], N)

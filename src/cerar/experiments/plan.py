@@ -1,6 +1,6 @@
 """``cerar plan``: ``method="auto"``'s cost model fitted here, and the method it picks per size.
 
-The model (:mod:`cerar.comm.auto.model`) comes from a bench JSON (``cerar bench --json``) or a
+The model (:mod:`cerar.experiments.bench.model`) comes from a bench JSON (``cerar bench --json``) or a
 short probe (:func:`probe`: ``cerar bench`` of builtin, ring-fp16, cerar and cerar-fp16 at
 256K-4M, 2 timed calls each). :func:`plan_table` gives each candidate's predicted time per size
 and the decision's choice (the smallest, CERAR only by the margin over the best exact/16-bit
@@ -26,8 +26,7 @@ from typing import Any
 
 from cerar._checks import format_size
 from cerar.comm.auto.candidates import CANDIDATE_NAMES, Candidate, build_candidates
-from cerar.comm.auto.model import CostModel, decide_slot
-from cerar.experiments.bench.model import AUTO_LABELS, candidate_of, fit_regime
+from cerar.experiments.bench.model import AUTO_LABELS, CostModel, candidate_of, decide_slot, fit_regime, has_gamma
 
 __all__ = [
     "PROBE_SIZES",
@@ -107,7 +106,7 @@ def plan_from_doc(doc: dict[str, Any], regime: str | None, max_error: float | No
 
 def coding_bytes_per_value(candidate: Candidate) -> float:
     """The memory traffic of a candidate's coding per value (see the module doc)."""
-    if not candidate.coding or (candidate.route.transport == "torch" and candidate.wire == "fp32"):
+    if not has_gamma(candidate) or (candidate.route.transport == "torch" and candidate.wire == "fp32"):
         return 0.0
     if candidate.components is None:
         return 12.0
@@ -123,7 +122,7 @@ def cluster_model(
     coding speed, ``latency_s`` per round (None: the fitted ``alpha``); the candidates' codes
     are ``perturbed(N, 2N)`` (quick to build for a large ``N``)."""
     admitted, refused = build_candidates(world_size, max_error, CANDIDATE_NAMES, "collective", fast_codes=True)
-    gamma = {c.label: coding_bytes_per_value(c) / coding_bytes_per_s for c in admitted if c.coding}
+    gamma = {c.label: coding_bytes_per_value(c) / coding_bytes_per_s for c in admitted if has_gamma(c)}
     model = plan.model.with_cluster(1.0 / rate_bytes_per_s, gamma, latency_s)
     missing = [t for t in ("torch", "cerar") if t not in model.alpha_s]
     if missing:

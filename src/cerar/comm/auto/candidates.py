@@ -1,10 +1,8 @@
 """The candidates of ``method="auto"``: rows of the route table (:mod:`cerar.comm.collective.routes`)
-under auto's names, each with ``N``, CERAR's code and its predicted worst-rank error: what the
-budget, the tournament's order and ``cerar plan`` need (``docs/auto.md`` tabulates them). The
-row says what the candidate sends and how exact it is; this module adds only what auto decides.
-``exact`` is always admitted, the reference; the bfloat16 and float8 variants (the bytes of
-float16 or int8, more error) only when listed; a CERAR candidate whose code is the exact one
-(``c = N``, as at ``N = 2``) is left out (it is the ring with CERAR's extra rounds).
+under auto's names, each with ``N``, CERAR's code and its predicted worst-rank error
+(``docs/auto.md`` tabulates them). ``exact``, the reference, is always admitted; a CERAR
+candidate whose code is the exact one (``c = N``, as at ``N = 2``) is left out: it would be the
+ring with CERAR's extra rounds.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import torch
 
 from cerar.coding.code import Code
 from cerar.comm.collective.call import NonFiniteError
+from cerar.comm.collective.codes import default_code
 from cerar.comm.collective.routes import Request, Route, get_route
 from cerar.comm.ring.handshake import dissemination_distances
 from cerar.comm.ring.stats import CommStats
@@ -46,12 +45,9 @@ class Candidate:
     """One way to all-reduce, as the tournament, the cost model and the decision see it.
 
     Attributes:
-        name: ``"exact"``, ``"fp16"``, ``"cerar"``... (the bench also models its own methods,
-            ``"builtin"``, ``"ring-fp16"``, with the same class).
-        route: the row of the route table it runs: its wire, transport (``"torch"``: torch's
-            all-reduce on the caller's group, its own latency; ``"cerar"``: cerar's
-            point-to-point ring and handshake), bytes, exactness, and whether it is CERAR
-            (``coded``) or a ring, one of the baselines CERAR must beat by the margin.
+        name: ``"exact"``, ``"fp16"``, ``"cerar"``... (or a bench method the cost model fits).
+        route: the row of the route table it runs: its wire, transport, bytes, exactness, and
+            whether it is CERAR (``coded``) or a ring, a baseline CERAR must beat by the margin.
         world_size: ``N``.
         components: CERAR's ``c`` (``None`` for a ring).
         code: CERAR's code (``None`` for a ring, or where only the figures are needed).
@@ -69,13 +65,6 @@ class Candidate:
     def wire(self) -> str:
         """The precision on the wire: ``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"fp8"``."""
         return self.route.precision()
-
-    @property
-    def coding(self) -> bool:
-        """Whether it has a time per value beyond moving its bytes (casts, CERAR's coding, cerar's
-        transport's own work): the cost model's ``gamma`` term. Torch's exact float32
-        all-reduce, which the link's ``beta`` is measured by, has none."""
-        return not (self.route.exact and self.route.transport == "torch")
 
     @property
     def rounds(self) -> int:
@@ -195,9 +184,9 @@ def _code(n: int, wire: str, limit: float | None, fast_codes: bool) -> Code:
     if fast_codes:
         return codes.perturbed(n, 2 * n, None, wire, max_error=None)
     if wire == "fp32":  # the library's default code, or a more accurate one where the budget asks
-        default = codes.choose(n, "fp32")
+        default = default_code(n, "fp32")
         if limit is None or default.predicted_worst_error("fp32") <= limit:
             return default
         return codes.choose(n, "fp32", limit)
-    # The default 16-bit code: optimized(N, 2N, precision), as cerar.all_reduce picks it.
+    # The default 16-bit code (default_code's), built whatever its error: the budget refuses it.
     return codes.optimized(n, 2 * n, wire, max_error=None)

@@ -1,18 +1,9 @@
-"""``cerar.all_reduce(tensor, ..., method="auto")``: the calls of one size by the winner of a
-:class:`cerar.comm.auto.tournament.Tournament` over those calls, the same on every rank.
-
-Every call agrees everything that decides it (size, dtype, op, budget, policy, settings, the
-candidate, and the count of calls on the group) in the handshake of cerar's transport that opens
-the candidate's call (the exact candidate's is a handshake alone, then torch's all-reduce): a rank
-that differs makes every rank raise :class:`cerar.SettingsMismatchError` naming the setting,
-before any data moves. The calls of one size (and dtype, op, budget) form a stream with its own
-tournament among the collective's rows (:data:`cerar.comm.auto.candidates.ROWS`); the least
-recently used of more than ``AutoConfig.max_streams`` goes, so a workload of ever-changing sizes
-gets the exact warm-up call for each. A call's time is its own wall time (async calls: from its
-start, or the previous completion if later, to its completion); before a round's agreement the
-calls in flight are waited for. A candidate that fails to start (the same error on every rank,
-before any data moved) makes that call exact and is out. ``nonfinite="raise"`` holds whichever
-candidate runs (:meth:`cerar.comm.auto.candidates.Candidate.check_finite`).
+"""``cerar.all_reduce(tensor, ..., method="auto")``: the calls of one size, dtype, op and budget
+(a stream; the ``AutoConfig.max_streams`` most recently used are kept) by the winner of their
+own :class:`cerar.comm.auto.tournament.Tournament` (``docs/auto.md``). Everything that decides
+a call is agreed in the handshake that opens its candidate's call, so ranks that differ raise
+:class:`cerar.SettingsMismatchError` together, before any data moves. A call is timed from its
+start, or from the previous call's completion if later (calls queue on one thread), to its own.
 """
 
 from __future__ import annotations

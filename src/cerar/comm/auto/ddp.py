@@ -1,24 +1,19 @@
-"""``method="auto"`` for DDP: :class:`AutoState` and :func:`auto_hook` send every bucket of a step by
-the winner of a :class:`cerar.comm.auto.tournament.Tournament` over whole steps.
+"""``method="auto"`` for DDP: :func:`auto_hook` sends every bucket of a step by the step's
+candidate in :class:`AutoState`'s tournament over whole steps (``docs/auto.md``).
 
     >>> state = cerar.ddp.AutoState(max_error=1e-3)
     >>> ddp_model.register_comm_hook(state, cerar.ddp.auto_hook)
 
-The candidates are the DDP context's rows (:data:`cerar.comm.auto.candidates.ROWS`: the 16-bit
-rings are torch's compress hooks); those predicted above ``max_error`` are left out. A step is
-timed from the end of the step before to its last bucket's completion (forward, backward and the
-optimizer: what the method costs the step); every bucket of a step goes by the step's candidate,
-except buckets under ``min_bucket_bytes`` (exact) and buckets a pinned row holds (its first
-matching candidate unless the step's matches). The ranks agree the settings at the first bucket
-and each round's times on a side Gloo group made with the hook's own group; DDP rebuilding its
-buckets starts a duel. A candidate that fails to start, or whose handshake finds a mismatch, sends
-that bucket exact and is out. ``state.last_step.buckets`` says where each bucket went and why.
+A step is timed from the end of the step before to its last bucket's completion: what the method
+costs the step, CERAR's coding competing with backward for the cores included.
+``state.last_step.buckets`` says where each bucket went and why.
 """
 
 # No ``from __future__ import annotations``: DDP inspects the hook's annotations.
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -29,11 +24,11 @@ from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.side import SideGroup
 from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
 from cerar.comm.ddp.checkpoint import SETTINGS, Setting
+from cerar.comm.ddp.hooks import Started, launch_bucket
 from cerar.comm.ddp.state import CerarState, logger
 from cerar.comm.ring.exact import exact_all_reduce
 from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.stats import CommStats
-from cerar.comm.ring.work import chain, for_torch
 
 __all__ = ["AUTO_STATE_DICT_FORMAT", "AutoState", "AutoStep", "BucketRecord", "auto_hook"]
 
@@ -65,8 +60,7 @@ class AutoStep(CommStats):
 
 
 def _config_dict(config: AutoConfig) -> dict[str, Any]:
-    values = {f.name: getattr(config, f.name) for f in fields(AutoConfig)}
-    return {**values, "pins": config.pins.text(), "candidates": list(config.candidates)}
+    return {**asdict(config), "pins": config.pins.text(), "candidates": list(config.candidates)}
 
 
 def _config_from(value: Any) -> AutoConfig:
@@ -199,9 +193,10 @@ class AutoState(CerarState):
             return allowed[0], "pinned"
         return self._run.candidate, self.tournament.phase
 
-    def end_step(self, now: float) -> None:
+    def end_step(self) -> None:
         """The step's time, from the end of the step before (the warm-up step's is not used)."""
         assert self.tournament is not None
+        now = time.perf_counter()
         previous, self._step_end = self._step_end, now
         self.tournament.measured(self._run, math.inf if previous is None else now - previous)
 
@@ -234,21 +229,24 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     group = state.resolve_group(True, buffer.dtype)
     tournament, candidates = state.tournament, state.candidates
     assert tournament is not None and candidates is not None
-    index, nbytes = bucket.index(), buffer.numel() * buffer.element_size()
+    index, call = bucket.index(), CommStats()
     if buffer.layout != torch.strided:  # sparse: DDP's default, as cerar_hook does
-        state.bucket_started(bucket.is_last())
-        state.sparse_buckets += 1
-        future = _start(state, candidates[0], bucket, group, CommStats(), False)
-        return _chain(state, bucket, future, candidates[0], "sparse", None)
+
+        def sparse() -> Started:
+            state.sparse_buckets += 1
+            future = _start(state, candidates[0], bucket, group, call, False)
+            return future, _finish(state, bucket, candidates[0], "sparse")
+
+        return launch_bucket(state, bucket, sparse, step_ended=state.end_step)
     if not state._in_pass:
         state.begin_step()
     state._in_pass = not bucket.is_last()
     if index in state.bucket_numel and state.bucket_numel[index] != buffer.numel():
         tournament.recheck()  # DDP rebuilt its buckets: the winner duels again from the next step
-    k, reason = state.candidate_for(nbytes)
-    state.bucket_started(bucket.is_last())
-    bucket_stats, call = state.note_bucket(index, buffer.numel()), CommStats()
-    try:
+    bucket_stats = state.note_bucket(index, buffer.numel())
+
+    def begin() -> Started:
+        k, reason = state.candidate_for(buffer.numel() * buffer.element_size())
         try:
             future = _start(state, candidates[k], bucket, group, call, state._last.get(index) != k)
         except (ValueError, TypeError) as exc:  # before any data moved, the same on every rank
@@ -256,45 +254,38 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
             tournament.failed(k)
             k, reason = 0, "fallback"
             future = _start(state, candidates[0], bucket, group, call, False)
-    except BaseException:
-        state.bucket_done(None, None)
-        raise
-    state._last[index] = k
-    if candidates[k].route.transport == "torch":  # cerar's transport measures its own bytes
-        state.torch_bytes += round(candidates[k].bytes_per_value * buffer.numel())
-    return _chain(state, bucket, future, candidates[k], reason, (call, bucket_stats))
+        state._last[index] = k
+        if candidates[k].route.transport == "torch":  # cerar's transport measures its own bytes
+            state.torch_bytes += round(candidates[k].bytes_per_value * buffer.numel())
+        return future, _finish(state, bucket, candidates[k], reason)
+
+    return launch_bucket(state, bucket, begin, (call, bucket_stats), state.end_step)
 
 
-def _chain(
-    state: AutoState, bucket: dist.GradBucket, future: Any, candidate: Candidate, reason: str, stats: Any
-) -> torch.futures.Future[Any]:
-    """What follows a bucket's call: the fall-back after a mismatch, the non-finite check of a
-    ring's sum, the record, and the step's end after its last bucket."""
+def _finish(
+    state: AutoState, bucket: dist.GradBucket, candidate: Candidate, reason: str
+) -> Callable[[torch.futures.Future[Any]], torch.Tensor]:
+    """What makes the bucket's result once its call completes: the fall-back after a mismatch,
+    the non-finite check of a ring's sum, and the bucket's record."""
     started = time.perf_counter()
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         nonlocal reason
-        call, bucket_stats = stats if stats is not None else (None, None)
         try:
-            try:
-                value = fut.wait()
-                result = value[0] if isinstance(value, list) else value
-            except SettingsMismatchError:  # raised on every rank before any data moved
-                assert state.side is not None and state.tournament is not None and state.candidates is not None
-                state.tournament.failed(state.candidates.index(candidate))
-                result, reason = bucket.buffer(), "fallback"
-                exact_all_reduce(result, state.side.group, average=True)
-            candidate.check_finite(result, state.nonfinite, f"average of bucket {bucket.index()}")
-            record = BucketRecord(
-                bucket.index(), result.numel(), result.numel() * result.element_size(),
-                candidate.label if reason != "fallback" else "exact", reason, time.perf_counter() - started,
-            )  # fmt: skip
-            with state._lock:
-                state._step.buckets.append(record)  # type: ignore[attr-defined]
-            return result
-        finally:
-            if state.bucket_done(call, bucket_stats):
-                state.end_step(time.perf_counter())
+            value = fut.wait()
+            result = value[0] if isinstance(value, list) else value
+        except SettingsMismatchError:  # raised on every rank before any data moved
+            assert state.side is not None and state.tournament is not None and state.candidates is not None
+            state.tournament.failed(state.candidates.index(candidate))
+            result, reason = bucket.buffer(), "fallback"
+            exact_all_reduce(result, state.side.group, average=True)
+        candidate.check_finite(result, state.nonfinite, f"average of bucket {bucket.index()}")
+        record = BucketRecord(
+            bucket.index(), result.numel(), result.numel() * result.element_size(),
+            candidate.label if reason != "fallback" else "exact", reason, time.perf_counter() - started,
+        )  # fmt: skip
+        with state._lock:
+            state._step.buckets.append(record)  # type: ignore[attr-defined]
+        return result
 
-    # DDP's C++ reads the hook's future: its error as for_torch makes it (cerar.comm.ring.work).
-    return for_torch(chain(future, finish, [bucket.buffer().device] if bucket.buffer().is_cuda else None))
+    return finish

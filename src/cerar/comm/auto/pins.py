@@ -1,22 +1,12 @@
 """The pinned table of ``method="auto"``: the user's choice for a range of bucket sizes, as
-NCCL's tuner file pins an algorithm or a protocol for a range of message sizes.
+NCCL's tuner file pins an algorithm for a range of message sizes (``docs/auto.md`` has examples).
 
-One row per line, comma separated, ``#`` starts a comment, ``-`` means "any" (for ``max_bytes``:
-no upper end)::
-
-    # min_bytes, max_bytes, algorithm, wire, c
-    0,   1M, ring,  -,    -     # under 1 MiB: an exact or 16-bit ring, whichever is fastest
-    16M, -,  cerar, fp16, -     # from 16 MiB: CERAR with float16 packets
-
-* ``min_bytes`` (inclusive) and ``max_bytes`` (exclusive) in bytes of the bucket's buffer
-  (``64K``, ``1M``: powers of 1024);
-* ``algorithm``: ``ring`` (exact or 16-bit rings) or ``cerar``;
-* ``wire``: ``fp32``, ``fp16``, ``bf16``, ``int8`` or ``fp8``; ``c``: CERAR's components.
-
-A row fixes the knobs it names and leaves the others to the decision: the bucket goes by the
-fastest candidate (within the error budget) that matches. The first row whose range holds the
-size applies; sizes no row holds are decided freely. A row that matches no candidate within the
-budget raises ValueError naming the row when the candidates are known (the first bucket).
+One row per line: ``min_bytes, max_bytes, algorithm, wire, c`` (``-``: any; ``#`` starts a
+comment): ``[min_bytes, max_bytes)`` in bytes of the buffer (``64K``, ``1M``: powers of 1024),
+``algorithm`` one of :data:`ALGORITHMS` and ``wire`` of :data:`WIRES`. A row fixes the knobs it
+names, the decision the rest; the first row whose range holds a size applies, and a size none
+holds is decided freely. A row that matches no candidate within the budget raises ValueError
+naming it once the candidates are known.
 """
 
 from __future__ import annotations
@@ -102,14 +92,10 @@ class PinnedTable:
         """The table as :meth:`parse` reads it (None for no rows)."""
         return "\n".join(str(row) for row in self.rows) or None
 
-    def row_for(self, nbytes: int) -> PinnedRow | None:
-        """The first row whose range holds ``nbytes``, or None."""
-        return next((row for row in self.rows if row.holds(nbytes)), None)
-
     def allowed(self, candidates: Sequence[Candidate], nbytes: int) -> tuple[list[int], bool]:
         """``(indices, pinned)``: the candidates a bucket of ``nbytes`` may take, and whether a
-        row restricted them."""
-        row = self.row_for(nbytes)
+        row (the first whose range holds ``nbytes``) restricted them."""
+        row = next((row for row in self.rows if row.holds(nbytes)), None)
         if row is None:
             return list(range(len(candidates))), False
         return _matching(row, candidates), True
@@ -143,9 +129,6 @@ def _row(line: str) -> PinnedRow:
         check_choice("algorithm", algorithm, ALGORITHMS)
     if wire is not None:
         check_choice("wire", wire, WIRES)
-    c = None
-    if components is not None:
-        if not components.isdigit() or int(components) < 1:
-            raise ValueError(f"c must be a positive integer or -, not {components!r}")
-        c = int(components)
-    return PinnedRow(minimum, maximum, algorithm, wire, c)
+    if components is not None and (not components.isdigit() or int(components) < 1):
+        raise ValueError(f"c must be a positive integer or -, not {components!r}")
+    return PinnedRow(minimum, maximum, algorithm, wire, None if components is None else int(components))

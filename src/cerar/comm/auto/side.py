@@ -1,10 +1,6 @@
 """The side group on which ``method="auto"``'s ranks agree: a Gloo group over the caller's ranks,
-created once by every member at the same point, so that nothing is added on the caller's group.
-
-* :meth:`SideGroup.check` agrees everything that decides a call (or a DDP state) before any data
-  moves: a hash of the settings and a count of the calls, and on a mismatch every rank's
-  settings, so that every rank raises :class:`cerar.SettingsMismatchError` naming the setting.
-* :meth:`SideGroup.max` agrees a round's times: each the slowest rank's.
+made once by every member at the same point, so that nothing is added on the caller's group.
+:meth:`SideGroup.max` agrees a round's times, :meth:`SideGroup.check` a DDP state's settings.
 """
 
 from __future__ import annotations
@@ -47,9 +43,8 @@ class SideGroup:
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, (dict(settings), self.calls), group=self.group)
         keys = list(dict.fromkeys(k for s, _ in gathered for k in s))
-        differing = [k for k in keys if len({repr(s.get(k)) for s, _ in gathered}) > 1]
-        if differing:
-            key = differing[0]
+        key = next((k for k in keys if len({repr(s.get(k)) for s, _ in gathered}) > 1), None)
+        if key is not None:  # the first setting that differs
             values = ", ".join(f"rank {r}: {s.get(key)!r}" for r, (s, _) in enumerate(gathered))
             raise SettingsMismatchError(f"cerar: ranks called {what} with different {key}: {values}")
         counts = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(gathered))

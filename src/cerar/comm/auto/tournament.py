@@ -1,23 +1,16 @@
-"""The procedure of ``method="auto"``: a tournament over whole runs (DDP steps, or the calls of one
-size), the same on every rank by construction.
+"""The tournament of ``method="auto"`` over whole runs (DDP steps, or the calls of one size).
+Every rank decides from the same agreed numbers by the same rule, so no plan needs agreeing;
+torch-free: the caller measures the runs and passes the agreement in. ``docs/auto.md`` gives the
+procedure's reasons. The phases, as :class:`Tournament` steps through them:
 
-1. One exact warm-up run (DDP rebuilds its buckets after its first step).
-2. Rounds in which every remaining candidate runs once, the order reversed from one round to the
-   next, so that a drift of the machine's pace moves every candidate alike. The first round
-   warms each candidate up (a first call may build the compiled coding or measure a scale) and
-   is not counted; then ``trials`` counted rounds.
-3. After each round the ranks agree its times, each the slowest rank's (one MAX all-reduce on a
-   side group), and successive halving drops every candidate whose best counted time is more
-   than :data:`CUT` times another's median.
-4. The winner by median; a CERAR method wins only if its median beats the fastest ring's (exact
-   or 16-bit) by ``margin``, since its coding competes with the step for the cores and its
-   errors are not free.
-5. Every ``recheck_every`` runs, and when the caller asks (DDP rebuilt its buckets), the winner and
-   the runner-up duel in ABBA blocks until each has ``trials`` runs; the runner-up takes over
-   only if its median is ``margin`` below the winner's.
-
-A candidate whose run fails to start (the same error on every rank) is out at once, and that run
-goes exact. Torch-free: the caller measures the runs and passes the agreement in.
+1. ``warmup``: one exact run (DDP rebuilds its buckets after its first step).
+2. ``trial``: rounds of every remaining candidate, fewest bytes first, reversed every other
+   round so a drift of the machine's pace moves all alike; the first round only warms up. After
+   each, the agreed times (each the slowest rank's) cut by successive halving (:data:`CUT`).
+3. ``decided``: the winner by median, CERAR only by ``margin`` over the fastest ring
+   (:func:`cerar.comm.auto.candidates.rank`).
+4. ``duel``: every ``recheck_every`` runs, or on :meth:`Tournament.recheck`, the winner and the
+   runner-up in ABBA blocks; the runner-up takes over only by ``margin``.
 """
 
 from __future__ import annotations
@@ -38,8 +31,6 @@ __all__ = ["CUT", "AutoConfig", "Run", "Tournament"]
 #: Successive halving's factor: a candidate whose best counted time is this many times another's
 #: median is out. Far beyond the 2-10% a run's time moves here; a close contender stays to the end.
 CUT = 1.25
-
-Agree = Callable[[Sequence[float]], list[float]]
 
 
 @dataclass(frozen=True)
@@ -167,7 +158,7 @@ class Tournament:
         a, b = self.winner, self.runner_up
         self._start([x for _ in range(math.ceil(self.trials / 2)) for x in (a, b, b, a)], "duel")
 
-    def close_round(self, agree: Agree) -> None:
+    def close_round(self, agree: Callable[[Sequence[float]], list[float]]) -> None:
         """Agree the round's times (each the slowest rank's) and act on them: halve, decide, or
         judge the duel. Every rank calls it at the same run, with its own measurements."""
         if not self.agree_due():
@@ -204,8 +195,8 @@ class Tournament:
 
     def _after_duel(self, agreed: list[float]) -> None:
         a, b = self.winner, self.runner_up
-        med_a = statistics.median(t for k, t in zip(self._round, agreed, strict=True) if k == a)
-        med_b = statistics.median(t for k, t in zip(self._round, agreed, strict=True) if k == b)
+        times = list(zip(self._round, agreed, strict=True))
+        med_a, med_b = (statistics.median(t for k, t in times if k == side) for side in (a, b))
         handed = med_b < (1 - self.margin) * med_a  # the runner-up takes over only on a margin win
         self.history.append({
             "run": self.runs, "event": "duel", "winner": self.label(a), "challenger": self.label(b),

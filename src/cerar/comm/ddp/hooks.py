@@ -33,6 +33,7 @@ same point-to-point ops, ``2(N-1)/N`` values sent per value instead of CERAR's `
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook inspects the hooks'
 # annotations and accepts only the real ``dist.GradBucket`` / ``Future[Tensor]`` objects.
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,6 +65,10 @@ __all__ = [
     "ring_hook",
     "route_hook",
 ]
+
+#: What a hook's start gives :func:`launch_bucket`: the call's future, and what makes the bucket's
+#: result of it once it completes.
+Started = tuple[torch.futures.Future[Any], Callable[[torch.futures.Future[Any]], torch.Tensor]]
 
 
 def cerar_hook(state: CerarState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -135,39 +140,63 @@ def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.f
         )
     group = state.resolve_group(route.coded, bucket.buffer().dtype)
     buffer = bucket.buffer()
-    call, bucket_stats = CommStats(), None
+    call = CommStats()
     sparse = buffer.layout != torch.strided
     exact = not sparse and state.exact_path(buffer)  # before the last bucket advances iteration
-    state.bucket_started(bucket.is_last())
-    try:
+    bucket_stats = None if sparse or exact else state.note_bucket(bucket.index(), buffer.numel())
+
+    def begin() -> Started:
         if sparse or exact:
             if sparse:
                 state.sparse_buckets += 1
             else:
                 state.exact_buckets += 1
                 state.exact_bytes += buffer.numel() * buffer.element_size()
-            future = exact_all_reduce(buffer, state.process_group, average=True, async_op=True)
-        else:
-            bucket_stats = state.note_bucket(bucket.index(), buffer.numel())
-            options: dict[str, Any] = state.coded_settings() if route.coded else {}
-            if route.coded and route.wire is not None:
-                options.pop("packet_dtype")  # the row's own wire
-            if route.hierarchical:
-                options["ranks_per_node"] = state.ranks_per_node  # type: ignore[attr-defined]
-            work = start(route, buffer, "avg", group, True, stats=call, **options)
-            assert work is not None
-            future = work.future
+            return exact_all_reduce(buffer, state.process_group, average=True, async_op=True), _averaged
+        options: dict[str, Any] = state.coded_settings() if route.coded else {}
+        if route.coded and route.wire is not None:
+            options.pop("packet_dtype")  # the row's own wire
+        if route.hierarchical:
+            options["ranks_per_node"] = state.ranks_per_node  # type: ignore[attr-defined]
+        work = start(route, buffer, "avg", group, True, stats=call, **options)
+        assert work is not None
+        return work.future, _averaged
+
+    return launch_bucket(state, bucket, begin, figures=(call, bucket_stats))
+
+
+def _averaged(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    # wait() re-raises a failure with its own type (e.g. NonFiniteError under nonfinite="raise"),
+    # which DDP then raises in backward.
+    return done.wait()[0]
+
+
+def launch_bucket(
+    state: CerarState,
+    bucket: dist.GradBucket,
+    begin: Callable[[], Started],
+    figures: tuple[CommStats | None, CommStats | None] = (None, None),
+    step_ended: Callable[[], None] | None = None,
+) -> torch.futures.Future[torch.Tensor]:
+    """One bucket through the hook protocol (see :class:`CerarState`), as every hook sends it:
+    counted as started, then ``begin()`` starts its call and says how to finish it; the bucket
+    is counted as done if that raises, or once the finish has made the result. ``figures``: the
+    call's and the bucket's :class:`CommStats`, added to the totals then; ``step_ended`` runs
+    after the step's last bucket. Returns the future as DDP reads it."""
+    state.bucket_started(bucket.is_last())
+    try:
+        future, finish = begin()
     except BaseException:
         state.bucket_done(None, None)
         raise
 
-    def record_stats(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        # Runs once the bucket is averaged; wait() re-raises a failure with its own type (e.g.
-        # NonFiniteError under nonfinite="raise"), which DDP then raises in backward.
+    def done(source: torch.futures.Future[Any]) -> torch.Tensor:
         try:
-            return done.wait()[0]
+            return finish(source)
         finally:
-            state.bucket_done(call, bucket_stats)
+            if state.bucket_done(*figures) and step_ended is not None:
+                step_ended()
 
+    buffer = bucket.buffer()
     # DDP's C++ reads the hook's future: its error as for_torch makes it (cerar.comm.ring.work).
-    return for_torch(chain(future, record_stats, [buffer.device] if buffer.is_cuda else None))
+    return for_torch(chain(future, done, [buffer.device] if buffer.is_cuda else None))

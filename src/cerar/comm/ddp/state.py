@@ -285,9 +285,10 @@ class CerarState(ReplicaSync):
     # (as PowerSGD's hook calls ``PowerSGDState.maybe_increase_iter``):
     #   group = state.resolve_group(coded, dtype)   the hook's group (and the code), made once
     #   exact = state.exact_path(buffer)            the bucket policy, before bucket_started
-    #   state.bucket_started(bucket.is_last())      the step's bookkeeping
     #   figures = state.note_bucket(index, numel)   the bucket's own statistics (coded buckets)
+    #   state.bucket_started(bucket.is_last())      the step's bookkeeping
     #   state.bucket_done(call, figures)            once the bucket's future completes (or fails)
+    # (hooks.launch_bucket makes the last two calls for every hook, auto's included).
 
     def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
         """The hook's group, created (and the code checked, or for a coded bucket defaulted by
