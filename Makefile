@@ -28,7 +28,7 @@ test: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q
 
-# The single-process layer only (about a minute): the maths, the simulators, the import contract.
+# The single-process layer only, no ranks started: the maths, the simulators, the import contract.
 test-fast: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q tests/unit -m "not multirank"
