@@ -325,19 +325,20 @@ def test_config_defaults_and_cases() -> None:
     config = BenchConfig(world_size=4, sizes_bytes=(4 * MiB, MiB, MiB))
     assert config.components == (8,) and config.sizes_bytes == (MiB, 4 * MiB)
     cases = build_cases(config)
-    assert [c["size_bytes"] for c in cases] == [MiB] * 6 + [4 * MiB] * 6  # sorted by size
-    assert [(c["method"], c["components"]) for c in cases[:6]] == [
+    assert [c["size_bytes"] for c in cases] == [MiB] * 7 + [4 * MiB] * 7  # sorted by size
+    assert [(c["method"], c["components"]) for c in cases[:7]] == [
         ("builtin", None),
         ("ring-fp16", None),
         ("ring-bf16", None),
+        ("ring-int8", None),
         ("cerar", 8),
         ("cerar-fp16", 8),
         ("auto", None),
     ]
-    assert cases[3]["code"]["world_size"] == 4 and cases[3]["code_params"]["delta"] > 0
-    assert cases[5]["max_error"] == config.auto_max_error  # auto's budget travels with its case
+    assert cases[4]["code"]["world_size"] == 4 and cases[4]["code_params"]["delta"] > 0
+    assert cases[6]["max_error"] == config.auto_max_error  # auto's budget travels with its case
     # the code travels to the ranks as JSON and must come back identical
-    assert Code.from_dict(json.loads(json.dumps(cases[3]["code"]))) == make_code(4, 8, "perturbed")
+    assert Code.from_dict(json.loads(json.dumps(cases[4]["code"]))) == make_code(4, 8, "perturbed")
 
 
 def _args(*argv: str) -> Any:
@@ -429,6 +430,7 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
             ("builtin", None),
             ("ring-fp16", None),
             ("ring-bf16", None),
+            ("ring-int8", None),
             ("cerar", 4),
             ("cerar-fp16", 4),
             ("auto", None),
@@ -438,11 +440,12 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
         assert r["regime"] == "fast" and len(r["times_s"]) == r["iters"] == 24 and len(r["rel_errors"]) == 2
         assert r["time_min_s"] <= r["time_median_s"] <= r["time_max_s"]
         # Two ranks decode exactly whatever c is: float32 rounding only, or a 16-bit wire's.
-        wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8, "cerar-fp16": 2.0**-11}.get(r["method"], 2.0**-24)
+        wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8, "ring-int8": 2.0**-7, "cerar-fp16": 2.0**-11}
+        wire = wire.get(r["method"], 2.0**-24)
         assert r["predicted_s"] is not None  # the cost model's, beside the measured time
         if r["method"] == "auto":  # at N = 2: no CERAR candidate (every c decodes exactly, as the ring)
-            assert r["auto"]["method"] in ("exact", "fp16") and r["auto"]["calibration_calls"] > 0
-            wire = 2.0**-11
+            assert r["auto"]["method"] in ("exact", "fp16", "int8") and r["auto"]["calibration_calls"] > 0
+            wire = 2.0**-7 if r["auto"]["method"] == "int8" else 2.0**-11
         assert r["worst_rel_error"] < 4 * wire, (r["method"], r["components"], r["worst_rel_error"])
     assert (tmp_path / "out" / "bench.json").exists()
     assert (tmp_path / "out" / "time_vs_size.png").stat().st_size > 0

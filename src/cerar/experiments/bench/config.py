@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 REGIME_CHOICES = ("fast", "slow", "both")
-DEFAULT_METHODS = ("builtin", "ring-fp16", "ring-bf16", "cerar", "cerar-fp16", "auto")
+DEFAULT_METHODS = ("builtin", "ring-fp16", "ring-bf16", "ring-int8", "cerar", "cerar-fp16", "auto")
 NODE_METHODS = ("builtin", "ring", "cerar", "hier-ring", "hier-cerar")  # the default with --ranks-per-node > 1
 MiB = 1 << 20
 DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)

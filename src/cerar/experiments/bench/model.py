@@ -171,14 +171,17 @@ def decide_slot(candidates: Sequence[Candidate], predicted: Sequence[float], *, 
 
 #: The bench method each auto candidate is (the collective's candidates: exact is Gloo's all-reduce,
 #: the 16-bit rings cerar's ring with a 16-bit wire).
-AUTO_LABELS = {"exact": "builtin", "fp16": "ring-fp16", "bf16": "ring-bf16"}
+AUTO_LABELS = {"exact": "builtin", "fp16": "ring-fp16", "bf16": "ring-bf16", "int8": "ring-int8", "fp8": "ring-fp8"}
 #: The flat bench methods the model covers, and the row of the route table each runs.
-_ROWS = {"builtin": "exact", **{m: m for m in ("ring", "ring-fp16", "ring-bf16", "cerar", "cerar-fp16", "cerar-bf16")}}
+_ROWS = {
+    "builtin": "exact",
+    **{m: m for m in ("ring", "ring-fp16", "ring-bf16", "ring-int8", "ring-fp8", "cerar", "cerar-fp16", "cerar-bf16")},
+}
 
 
 def candidate_of(method: str, components: int | None, world_size: int) -> Candidate | None:
     """The bench method ``method`` (with ``c``) as a candidate of the model; None for the ones it
-    does not cover (hierarchical, auto, the 8-bit rings, CERAR without ``c``)."""
+    does not cover (hierarchical, auto, CERAR without ``c``)."""
     route = get_route(_ROWS[method]) if method in _ROWS else None
     if route is None or (route.coded and components is None):
         return None
