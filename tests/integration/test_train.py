@@ -113,6 +113,8 @@ def test_parse_method() -> None:
     assert parse_method("cerar:3N", 4) == ("cerar", {"components": 12})
     assert parse_method("cerar:10", 4) == ("cerar", {"components": 10})
     assert parse_method("powersgd:2", 4) == ("powersgd", {"powersgd_rank": 2})
+    assert parse_method("powersgd:2:start50", 4) == ("powersgd", {"powersgd_rank": 2, "powersgd_start": 50})
+    assert TrainConfig(method="powersgd", powersgd_rank=2, powersgd_start=50).name == "powersgd-r2-start50"
     assert parse_method("bf16", 4) == ("bf16", {})
     assert parse_method("cerar:8:fp16", 4) == ("cerar", {"components": 8, "packet": "fp16"})
     assert parse_method("cerar:2N:bf16", 4) == ("cerar", {"components": 8, "packet": "bf16"})
@@ -122,7 +124,8 @@ def test_parse_method() -> None:
     }  # fmt: skip
     assert parse_method("int8", 4) == ("int8", {})
     assert parse_method("hier-cerar:2N", 2) == ("hier-cerar", {"components": 4})  # N: the nodes (the caller passes M)
-    for bad in ("fp16:2", "cerar:x", "powersgd:2N", "cerar:0", "nccl", "cerar:8:fp8", "ring:2:fp16"):
+    for bad in ("fp16:2", "cerar:x", "powersgd:2N", "cerar:0", "nccl", "cerar:8:fp8", "ring:2:fp16",
+                "powersgd:2:s50", "powersgd::start5", "cerar:8:start5"):
         with pytest.raises(ValueError, match="Argument 'method'"):
             parse_method(bad, 4)
     # Through cerar's process group: DDP without a hook, or HSDP (its kN: N the nodes, as passed).
@@ -214,14 +217,14 @@ def test_cerar_train_end_to_end(
 
     out = tmp_path / "train"
     argv = [
-        "train", "-N", "2", "--regime", "fast", "--methods", "allreduce", "cerar", "powersgd:1",
+        "train", "-N", "2", "--regime", "fast", "--methods", "allreduce", "cerar", "powersgd:1:start4",
         "--noise-seeds", "2", "--steps", "12", "--eval-every", "6", "--batch-size", "2",
         "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "32", "--warmup-steps", "2",
         "--eval-sequences", "8", "--resync-every", "5", "--timeout-s", "120", "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    for label in ("allreduce-s0", "allreduce-s1", "cerar-c4-s0", "powersgd-r1-s0"):
+    for label in ("allreduce-s0", "allreduce-s1", "cerar-c4-s0", "powersgd-r1-start4-s0"):
         assert label in printed
         assert (out / "runs" / f"{label}.json").is_file()
     assert (out / "loss.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
@@ -239,7 +242,7 @@ def test_cerar_train_end_to_end(
     assert runs["allreduce-s0"]["max_divergence"] == 0.0  # an exact all-reduce keeps replicas equal
     # At N = 2 CERAR sends the ring's byte count (1 + (N-2)/c = 2(N-1)/N = 1).
     assert runs["cerar-c4-s0"]["bytes_per_step"] == pytest.approx(runs["allreduce-s0"]["bytes_per_step"], rel=0.01)
-    assert runs["powersgd-r1-s0"]["bytes_per_step"] < runs["allreduce-s0"]["bytes_per_step"]
+    assert runs["powersgd-r1-start4-s0"]["bytes_per_step"] < runs["allreduce-s0"]["bytes_per_step"]
 
     # --reuse summarises the stored runs again without launching anything.
     import cerar.harness.launch

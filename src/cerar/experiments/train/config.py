@@ -17,7 +17,7 @@ from typing import Any
 from cerar._checks import check_choice, check_float, check_int
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.experiments._flags import add_flags, flag, flag_group, from_flags
-from cerar.experiments.train.methods import HOOKS
+from cerar.experiments.train.methods import HOOKS, POWERSGD_START
 from cerar.experiments.train.parallel import PARALLELS, check_parallel
 from cerar.experiments.train.schedules import (
     DEFAULT_OUTER_LR,
@@ -145,6 +145,9 @@ class TrainConfig:
     packet: str | None = None
     parallel: str = "ddp"
     powersgd_rank: int = field(default=4, metadata=flag("powersgd: the matrix approximation rank"))
+    powersgd_start: int = field(
+        default=POWERSGD_START, metadata=flag("powersgd: the steps averaged exactly before compression starts")
+    )
     schedule: str | None = None
     period: int | None = None
     outer_lr: float = field(
@@ -198,6 +201,7 @@ class TrainConfig:
                 raise ValueError(f"Argument 'packet' applies to method 'cerar' only, not {self.method!r}.")
         check_parallel(self)
         check_int("powersgd_rank", self.powersgd_rank, minimum=1)
+        check_int("powersgd_start", self.powersgd_start, minimum=1)
         check_int("steps", self.steps, minimum=1)
         check_int("batch_size", self.batch_size, minimum=1)
         if not isinstance(self.model, ModelConfig):
@@ -228,8 +232,9 @@ class TrainConfig:
         """The DDP method with its parameter: ``allreduce``, ``cerar-c8``, ``powersgd-r4``."""
         if self.method in ("cerar", "hier-cerar") and self.components is not None:
             return f"{self.method}-c{self.components}" + (f"-{self.packet}" if self.packet else "")
-        if self.method == "powersgd":
-            return f"{self.method}-r{self.powersgd_rank}"
+        if self.method == "powersgd":  # the start shown when it is not the default
+            start = "" if self.powersgd_start == POWERSGD_START else f"-start{self.powersgd_start}"
+            return f"{self.method}-r{self.powersgd_rank}{start}"
         if self.method == "auto" and self.max_error is not None:
             return f"auto-{self.max_error:g}"
         return self.method
@@ -302,8 +307,8 @@ PACKETS = ("fp16", "bf16")
 
 def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
     """``"cerar"``, ``"cerar:12"``, ``"cerar:3N"``, ``"cerar:8:fp16"``, ``"cerar:2N:bf16"``,
-    ``"powersgd:2"``, ``"auto:1e-3"``, ``"fp16"``... into ``(method, overrides)`` with ``overrides`` the
-    TrainConfig fields it sets (the hook's
+    ``"powersgd:2"``, ``"powersgd:2:start50"``, ``"auto:1e-3"``, ``"fp16"``... into
+    ``(method, overrides)`` with ``overrides`` the TrainConfig fields it sets (the hook's
     :attr:`~cerar.experiments.train.methods.Hook.parameter`, and ``packet``). A schedule's spec
     (``"accum:4"``, ``"diloco:10:cerar:8:fp16"``) gives the method underneath, its overrides
     adding ``schedule`` and ``period`` (:func:`cerar.experiments.train.schedules.parse_schedule`);
@@ -319,6 +324,12 @@ def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
         return inner, {**overrides, "parallel": name}
     hook = HOOKS[name]
     param, _, packet = param.partition(":")
+    if name == "powersgd" and packet:  # powersgd:2:start50, the exact steps before compression
+        start = re.fullmatch(r"start(\d+)", packet)
+        if start is None or not param:
+            raise ValueError(f"Argument 'method' must look like 'powersgd:2:start50', not {spec!r}.")
+        name, overrides = parse_method(f"{name}:{param}", world_size)
+        return name, {**overrides, "powersgd_start": int(start.group(1))}
     if packet:
         if name != "cerar" or packet not in PACKETS:
             raise ValueError(

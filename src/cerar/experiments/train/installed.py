@@ -37,6 +37,7 @@ class HookSettings(Protocol):
     components: int | None
     packet: str | None
     powersgd_rank: int
+    powersgd_start: int
     seed: int
     nonfinite: str
     resync_every: int | None

@@ -10,7 +10,8 @@ method         hook                                                        bytes
 ``bf16``       torch's ``bf16_compress_hook`` (Gloo supports bfloat16)     computed
 ``powersgd``   torch's ``powerSGD_hook``: rank ``r``, error feedback,      computed
                warm start, exact all-reduce for the first
-               :data:`POWERSGD_START` steps; one bucket at a time on
+               ``K`` steps (``powersgd:r:startK``, default
+               :data:`POWERSGD_START`); one bucket at a time on
                one thread (see :class:`_SerialHook`)
 ``ring``       :func:`cerar.comm.ddp.hooks.ring_hook` (exact ring, cerar transport)    measured
 ``int8``       the 8-bit ring (int8 blocks, row ``ring-int8``; ``fp8``: float8 e4m3)  measured
@@ -246,17 +247,17 @@ def _build_powersgd(config: HookSettings, world_size: int) -> tuple[InstalledHoo
     state = powerSGD_hook.PowerSGDState(
         process_group=None,
         matrix_approximation_rank=config.powersgd_rank,
-        start_powerSGD_iter=POWERSGD_START,
+        start_powerSGD_iter=config.powersgd_start,
         use_error_feedback=True,
         warm_start=True,
         random_seed=config.seed,
     )
     description = (
         f"powerSGD_hook, rank {config.powersgd_rank}, error feedback, warm start, exact for the first "
-        f"{POWERSGD_START} steps"
+        f"{config.powersgd_start} steps"
     )
     installed = InstalledHook("powersgd", False, description, state=state)
-    installed.extra = {"powersgd_rank": config.powersgd_rank, "start_iter": POWERSGD_START}
+    installed.extra = {"powersgd_rank": config.powersgd_rank, "start_iter": config.powersgd_start}
 
     def count_powersgd(bucket: dist.GradBucket) -> None:
         buffer = bucket.buffer()
@@ -318,7 +319,7 @@ HOOKS: dict[str, Hook] = {
         ),
         Hook("fp16", "fp16", _builtin("fp16_compress_hook", 2, "fp16_compress_hook")),
         Hook("bf16", "bf16", _builtin("bf16_compress_hook", 2, "bf16_compress_hook")),
-        Hook("powersgd", "powersgd[:r]", _build_powersgd, parameter="powersgd_rank"),
+        Hook("powersgd", "powersgd[:r[:startK]]", _build_powersgd, parameter="powersgd_rank"),
     )
 }
 
