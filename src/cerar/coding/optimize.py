@@ -33,7 +33,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from scipy.optimize import minimize
 
 from cerar._checks import check_float
 from cerar._version import __version__
@@ -168,6 +167,10 @@ def _refine(
             return problem.score(problem.build(*unpack(x), spread))
         except ValueError:  # e.g. a node pushed onto a negative real axis that cannot spread
             return math.inf
+
+    # Imported here: scipy.optimize takes about a second to import, and every rank imports cerar
+    # while only a design search reaches this line (stored designs come from the cache).
+    from scipy.optimize import minimize
 
     x0 = np.zeros(len(radii) + len(free_angles))
     result = minimize(objective, x0, method="Powell", options={"maxfev": budget, "xtol": 1e-3, "ftol": 1e-5})

@@ -51,7 +51,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from cerar.comm.ddp.hooks import replica_divergence, resync
@@ -209,6 +208,9 @@ class PeriodicSync:
         makes its outer SGD)."""
         self.module = module
         if self.torch_averager is not None:
+            # Imported here: torch.distributed.optim imports FSDP and DTensor (seconds per rank).
+            from torch.distributed.optim import PostLocalSGDOptimizer
+
             return PostLocalSGDOptimizer(optimizer, self.torch_averager)
         self.anchor = _flatten(module.parameters())
         if self.schedule == "diloco":
