@@ -12,7 +12,7 @@ from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.pins import PinnedTable
 from cerar.comm.auto.tournament import AutoConfig
 from cerar.comm.collective.routes import ROUTES
-from cerar.experiments.bench.model import decide_slot, fit_cost_model
+from cerar.experiments.bench.model import decide_slot, fit_cost_model, rounds
 
 N = 4
 EXACT = Candidate("exact", ROUTES["exact"], N)
@@ -27,7 +27,7 @@ GAMMA = {"fp16": 1e-10, "cerar c=8": 2e-9, "cerar-fp16 c=8": 1e-9}
 
 def true_time(candidate: Candidate, values: float) -> float:
     alpha, gamma = ALPHA[candidate.route.transport], GAMMA.get(candidate.label, 0.0)
-    return candidate.rounds * alpha + candidate.bytes_per_value * values * BETA + values * gamma
+    return rounds(candidate) * alpha + candidate.bytes_per_value * values * BETA + values * gamma
 
 
 def test_candidates_by_budget() -> None:

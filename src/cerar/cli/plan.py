@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cerar._checks import check_float
 from cerar.coding.code import MAX_ERROR
@@ -16,6 +17,9 @@ from cerar.coding.constructions import MAX_COMPONENTS
 from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS
 from cerar.harness import resources
 from cerar.harness.launch import DEFAULT_RATE
+
+if TYPE_CHECKING:
+    from cerar.comm.auto.candidates import Candidate
 
 #: The largest described cluster: its CERAR candidates are ``perturbed(N, 2N)``, ``c <= 256``.
 MAX_CLUSTER_RANKS = MAX_COMPONENTS // 2
@@ -201,7 +205,23 @@ def _as_json(plan: object, table: dict[str, object]) -> dict[str, object]:
         "world_size": plan.world_size,
         "formula": plan.formula,
         "model": plan.model.as_dict(),
-        "candidates": [c.describe() for c in plan.candidates],
-        "refused": [c.describe() for c in plan.refused],
+        "candidates": [_describe(c) for c in plan.candidates],
+        "refused": [_describe(c) for c in plan.refused],
         "table": table,
+    }
+
+
+def _describe(candidate: Candidate) -> dict[str, object]:
+    """A candidate's figures: name, label, wire, transport, c, rounds, bytes per value, error."""
+    from cerar.experiments.bench.model import rounds
+
+    return {
+        "name": candidate.name,
+        "label": candidate.label,
+        "wire": candidate.wire,
+        "transport": candidate.route.transport,
+        "components": candidate.components,
+        "rounds": rounds(candidate),
+        "bytes_per_value": candidate.bytes_per_value,
+        "predicted_error": candidate.predicted_error,
     }

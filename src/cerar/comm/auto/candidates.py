@@ -18,7 +18,6 @@ from cerar.coding.code import Code
 from cerar.comm.collective.call import NonFiniteError
 from cerar.comm.collective.codes import default_code
 from cerar.comm.collective.routes import Request, Route, get_route
-from cerar.comm.ring.handshake import dissemination_distances
 from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.work import Work
 
@@ -67,13 +66,6 @@ class Candidate:
         return self.route.precision()
 
     @property
-    def rounds(self) -> int:
-        """Sequential message rounds per call (cerar's transport adds its handshake hops)."""
-        n = self.world_size
-        data = 2 * (n - 1) if self.components is None else self.components + n - 2
-        return data + (len(dissemination_distances(n)) if self.route.transport == "cerar" else 0)
-
-    @property
     def bytes_per_value(self) -> float:
         """Bytes each rank sends per value reduced (the row's, for ``N`` and ``c``)."""
         return self.route.bytes_per_value(self.world_size, self.components)
@@ -82,19 +74,6 @@ class Candidate:
     def label(self) -> str:
         """``"exact"``, ``"fp16"``, ``"cerar c=8"``, ``"cerar-fp16 c=8"``."""
         return self.name if self.components is None else f"{self.name} c={self.components}"
-
-    def describe(self) -> dict[str, Any]:
-        """JSON-ready figures: name, label, wire, transport, c, rounds, bytes per value, error."""
-        return {
-            "name": self.name,
-            "label": self.label,
-            "wire": self.wire,
-            "transport": self.route.transport,
-            "components": self.components,
-            "rounds": self.rounds,
-            "bytes_per_value": self.bytes_per_value,
-            "predicted_error": self.predicted_error,
-        }
 
     def start(
         self, tensor: torch.Tensor, op: str, group: Any, nonfinite: str, stats: CommStats | None,

@@ -35,6 +35,7 @@ import numpy as np
 
 from cerar.comm.auto.candidates import Candidate, rank
 from cerar.comm.collective.routes import get_route
+from cerar.comm.ring.handshake import dissemination_distances
 
 __all__ = [
     "AUTO_LABELS",
@@ -46,7 +47,17 @@ __all__ = [
     "fit_cost_model",
     "fit_regime",
     "has_gamma",
+    "rounds",
 ]
+
+
+def rounds(candidate: Candidate) -> int:
+    """Sequential message rounds per call of ``candidate`` (cerar's transport adds its handshake
+    hops): what ``alpha`` multiplies."""
+    n = candidate.world_size
+    data = 2 * (n - 1) if candidate.components is None else candidate.components + n - 2
+    return data + (len(dissemination_distances(n)) if candidate.route.transport == "cerar" else 0)
+
 
 def has_gamma(candidate: Candidate) -> bool:
     """Whether ``candidate`` takes time per value beyond moving its bytes (casts, CERAR's coding,
@@ -93,7 +104,7 @@ class CostModel:
             return math.inf
         gamma = self.gamma_s_per_value.get(candidate.label, 0.0) if has_gamma(candidate) else 0.0
         return (
-            candidate.rounds * self.alpha_s[candidate.route.transport]
+            rounds(candidate) * self.alpha_s[candidate.route.transport]
             + candidate.bytes_per_value * values * self.beta_s_per_byte
             + values * gamma
         )
@@ -138,7 +149,7 @@ def fit_cost_model(observations: Iterable[tuple[Candidate, float, float]]) -> Co
     columns = [("alpha", t) for t in transports] + [("beta", "")] + [("gamma", label) for label in coded]
     design = np.zeros((len(rows), len(columns)))
     for i, (candidate, values, _) in enumerate(rows):
-        design[i, columns.index(("alpha", candidate.route.transport))] = candidate.rounds
+        design[i, columns.index(("alpha", candidate.route.transport))] = rounds(candidate)
         design[i, columns.index(("beta", ""))] = candidate.bytes_per_value * values
         if has_gamma(candidate):
             design[i, columns.index(("gamma", candidate.label))] = values
