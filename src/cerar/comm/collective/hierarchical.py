@@ -53,15 +53,13 @@ import torch.distributed as dist
 
 from cerar.coding.code import Code
 from cerar.comm.collective.call import NonFiniteError, _items, call_context, cerar_call, ring_call
-from cerar.comm.collective.codes import resolve_code
 from cerar.comm.kernels.workspace import WORKSPACE
 from cerar.comm.ring.handshake import Summary, handshake, max_around, settings_hash
-from cerar.comm.ring.layout import NodeLayout, node_layout
 from cerar.comm.ring.links import Ring, RingError
-from cerar.comm.ring.nodes import Nodes, prepare_nodes
+from cerar.comm.ring.nodes import Nodes
 from cerar.comm.ring.stats import CommStats
 
-__all__ = ["NodeLayout", "hierarchical_call", "node_layout", "prepare_nodes"]
+__all__ = ["hierarchical_call"]
 
 #: Point-to-point tag of the failure path's non-finite flags (the collective's use 0x0CE0..0x0CE3).
 NONFINITE_TAG = 0x0CE8
@@ -82,7 +80,8 @@ def hierarchical_call(
     packet_dtype: torch.dtype | None = None,
     context: Mapping[str, Any] | None = None,
 ) -> None:
-    """One hierarchical call (``context``: a layer above's settings, agreed in its handshake).
+    """One hierarchical call (``context``: a layer above's settings, agreed in its handshake;
+    ``code``: CERAR's between the nodes, bound by the route, None for the ring or one node).
 
     1. Open it (:func:`cerar.comm.collective.call.call_context`: its number, its statistics, the
        working copy) and run the handshake over the group's ring.
@@ -96,9 +95,6 @@ def hierarchical_call(
     """
     layout = nodes.layout
     with call_context(tensor, nodes.flat, stats) as (flat, call, counter):
-        m = layout.nodes
-        if m > 1 and method == "cerar":
-            code = code if code is not None else resolve_code(m, tensor.dtype, packet_dtype)
         fingerprint = code.fingerprint if code is not None else None
         identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
         identity += (nonfinite, str(packet_dtype), *_items(context))
