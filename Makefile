@@ -23,13 +23,16 @@ design: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks examples
 
-# Every layer: unit (single process), multirank (Gloo ranks), integration (commands, netns).
+# Every layer: unit (single process), multirank (Gloo ranks), integration (commands, netns). Two
+# workers, a test file each at a time: much of a multi-rank test is waiting (for ranks to start,
+# for a timeout to expire), which the other worker fills.
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-# The single-process layer only, no ranks started: the maths, the simulators, the import contract.
+# The single-process layer only, no ranks started and no command run end to end: the maths, the
+# simulators, the import contract; its tests are independent, so two workers share them.
 test-fast: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q tests/unit -m "not multirank"
+	$(BIN)/python -m pytest -q -n 2 tests/unit -m "not multirank and not slow"
 

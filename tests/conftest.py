@@ -1,6 +1,7 @@
-"""Markers by what a test does, so that ``make test-fast`` (``-m "not multirank"``) stays in one
-process: every test under ``tests/multirank`` and every test that uses a fixture which starts
-ranks is marked ``multirank``."""
+"""Markers by what a test does, so that ``make test-fast`` (``-m "not multirank and not slow"``)
+starts no ranks: every test under ``tests/multirank`` and every test that uses a fixture which
+starts ranks is marked ``multirank`` (a whole command run end to end is marked ``slow`` where it
+is written)."""
 
 from __future__ import annotations
 

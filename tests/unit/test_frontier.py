@@ -67,6 +67,7 @@ def test_k_table_model_matches_simulation() -> None:
             assert r["model"][p] >= r["floor"][p] * (1 - 1e-12)
 
 
+@pytest.mark.slow  # the whole command with its plots: make test runs it, make test-fast leaves it out
 def test_study_quick_writes_json_and_png(tmp_path: Path) -> None:
     out = tmp_path / "study"
     assert main(["study", "--frontier", "--blocks", "--quick", "--out", str(out)]) == 0

@@ -20,6 +20,14 @@ def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
+@pytest.fixture(scope="module")
+def reference() -> Code:
+    """``optimized(4, 12, refine=False)`` computed without the cache, once for the module: what every
+    cache test's design must equal (the search is deterministic:
+    :func:`test_cache_round_trip_and_determinism` recomputes it)."""
+    return codes.optimized(4, 12, refine=False, cache=False)
+
+
 def _worst(code: Code, seed: int = 3, per_component: int = 256) -> float:
     x = np.random.default_rng(seed).standard_normal((code.world_size, per_component * code.components))
     return simulate(code, x, "fp32").worst_relative_error
@@ -146,8 +154,7 @@ def test_algorithm_tag_is_part_of_the_key(_cache: Path, monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("garbage", ["", "{not json", '{"key": 1}', "[]", '{"key": {}, "code": {}}'])
-def test_corrupt_cache_entry_is_recomputed(_cache: Path, garbage: str) -> None:
-    reference = codes.optimized(4, 12, refine=False, cache=False)
+def test_corrupt_cache_entry_is_recomputed(_cache: Path, garbage: str, reference: Code) -> None:
     codes.optimized(4, 12, refine=False)
     (path,) = _cache.glob("optimized-*.json")
     path.write_text(garbage)
@@ -155,8 +162,7 @@ def test_corrupt_cache_entry_is_recomputed(_cache: Path, garbage: str) -> None:
     json.loads(path.read_text())  # rewritten whole
 
 
-def test_stale_cache_entry_is_recomputed(_cache: Path) -> None:
-    reference = codes.optimized(4, 12, refine=False, cache=False)
+def test_stale_cache_entry_is_recomputed(_cache: Path, reference: Code) -> None:
     codes.optimized(4, 12, refine=False)
     (path,) = _cache.glob("optimized-*.json")
     data = json.loads(path.read_text())
@@ -166,8 +172,7 @@ def test_stale_cache_entry_is_recomputed(_cache: Path) -> None:
     assert codes.optimized(4, 12, refine=False) == reference
 
 
-def test_edited_cache_entry_under_the_right_key_is_recomputed(_cache: Path) -> None:
-    reference = codes.optimized(4, 12, refine=False, cache=False)
+def test_edited_cache_entry_under_the_right_key_is_recomputed(_cache: Path, reference: Code) -> None:
     codes.optimized(4, 12, refine=False)
     (path,) = _cache.glob("optimized-*.json")
     data = json.loads(path.read_text())
@@ -183,8 +188,7 @@ def test_cache_dir_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert entry_path("x", {"a": 1}).parent == tmp_path / "cerar"
 
 
-def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    reference = codes.optimized(4, 12, refine=False, cache=False)
+def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, reference: Code) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("CERAR_CACHE_DIR", str(blocker / "sub"))  # a path under a file
@@ -194,11 +198,12 @@ def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
 
 
-def test_failed_cache_write_is_a_miss_and_leaves_nothing(_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_cache_write_is_a_miss_and_leaves_nothing(
+    _cache: Path, monkeypatch: pytest.MonkeyPatch, reference: Code
+) -> None:
     # A write that fails at the last step (a read-only or full disk; chmod cannot show it to root).
     import cerar._cache
 
-    reference = codes.optimized(4, 12, refine=False, cache=False)
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError("read-only file system")
@@ -208,9 +213,8 @@ def test_failed_cache_write_is_a_miss_and_leaves_nothing(_cache: Path, monkeypat
     assert list(_cache.iterdir()) == []  # no entry, no temporary left behind
 
 
-def test_a_cache_others_can_write_is_not_read(_cache: Path) -> None:
+def test_a_cache_others_can_write_is_not_read(_cache: Path, reference: Code) -> None:
     # An entry another user could have planted (a valid code, but not the design) is ignored.
-    reference = codes.optimized(4, 12, refine=False, cache=False)
     codes.optimized(4, 12, refine=False)
     (path,) = _cache.glob("optimized-*.json")
     data = json.loads(path.read_text())

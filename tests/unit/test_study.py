@@ -70,6 +70,7 @@ def test_tradeoff_rejects_unknown_design() -> None:
         study.tradeoff_study((4,), (2,), ("fp32",), 8, 0, designs=("rotated",))
 
 
+@pytest.mark.slow  # the whole command with its plots: make test runs it, make test-fast leaves it out
 def test_study_command_writes_figures_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "study"
     assert main(["study", "--quick", "--out", str(out)]) == 0
