@@ -212,16 +212,7 @@ def _as_json(plan: object, table: dict[str, object]) -> dict[str, object]:
 
 
 def _describe(candidate: Candidate) -> dict[str, object]:
-    """A candidate's figures: name, label, wire, transport, c, rounds, bytes per value, error."""
+    """A candidate's figures, and its rounds as the cost model counts them."""
     from cerar.experiments.bench.model import rounds
 
-    return {
-        "name": candidate.name,
-        "label": candidate.label,
-        "wire": candidate.wire,
-        "transport": candidate.route.transport,
-        "components": candidate.components,
-        "rounds": rounds(candidate),
-        "bytes_per_value": candidate.bytes_per_value,
-        "predicted_error": candidate.predicted_error,
-    }
+    return {**candidate.describe(), "rounds": rounds(candidate)}

@@ -75,6 +75,11 @@ class Candidate:
         """``"exact"``, ``"fp16"``, ``"cerar c=8"``, ``"cerar-fp16 c=8"``."""
         return self.name if self.components is None else f"{self.name} c={self.components}"
 
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready figures (``auto_status``): name, label, wire, transport, c, bytes per value, error."""
+        keys = ("name", "label", "wire", "components", "bytes_per_value", "predicted_error")
+        return {"transport": self.route.transport, **{k: getattr(self, k) for k in keys}}
+
     def start(
         self, tensor: torch.Tensor, op: str, group: Any, nonfinite: str, stats: CommStats | None,
         context: dict[str, Any] | None = None, fresh: bool = False,
