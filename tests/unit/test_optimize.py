@@ -204,7 +204,6 @@ def test_failed_cache_write_is_a_miss_and_leaves_nothing(
     # A write that fails at the last step (a read-only or full disk; chmod cannot show it to root).
     import cerar._cache
 
-
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError("read-only file system")
 
