@@ -265,6 +265,7 @@ def test_signal_to_launcher_cleans_up(tmp_path: Path, regime: str, sig: signal.S
         assert netem.leftovers(str(launcher.pid))["namespaces"] == []
 
 
+@pytest.mark.multirank
 def test_launch_module_cli(tmp_path: Path) -> None:
     done = subprocess.run(
         [
@@ -287,6 +288,7 @@ def test_launch_module_cli(tmp_path: Path) -> None:
     assert sorted(done.stdout.splitlines()) == ["[0] 0", "[1] 1"]
 
 
+@pytest.mark.multirank
 def test_launch_module_cli_writes_each_line_whole() -> None:
     # Four ranks write many short lines at once: every forwarded line must arrive whole
     # (the reader threads once interleaved two ranks' lines: '[0] 0[1] 1').

@@ -318,6 +318,8 @@ def test_plan_rejects_repeated_runs() -> None:
     assert labels == ["allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "powersgd-r4-s0"]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_train_on_nodes_with_the_hierarchical_and_16_bit_methods(tmp_path: Path) -> None:
     """2 nodes x 2 ranks on loopback: hier-ring (exact between nodes), hier-cerar (its code for
     the 2 nodes: exact at M = 2) and CERAR with float16 packets train the same model; the first
@@ -346,6 +348,8 @@ def test_train_on_nodes_with_the_hierarchical_and_16_bit_methods(tmp_path: Path)
     assert runs["cerar-c8-fp16-s0"]["bytes_per_step"] < 0.5 * runs["allreduce-s0"]["bytes_per_step"]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_train_through_cerars_group_ddp_and_hsdp(tmp_path: Path) -> None:
     """3 nodes x 2 ranks on loopback: HSDP exact (every all-reduce handed to the exact group),
     through cerar between the nodes, and DDP over cerar's group without a hook, the same model."""
