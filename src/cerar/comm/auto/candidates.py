@@ -18,6 +18,7 @@ from cerar.coding.code import Code
 from cerar.comm.collective.call import NonFiniteError
 from cerar.comm.collective.codes import default_code
 from cerar.comm.collective.routes import Request, Route, get_route
+from cerar.comm.ring.maxima import max_abs
 from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.work import Work
 
@@ -98,8 +99,10 @@ class Candidate:
 
     def check_finite(self, result: torch.Tensor, nonfinite: str, what: str) -> None:
         """Under ``nonfinite="raise"``, a ring's non-finite sum raises :class:`NonFiniteError`: the
-        rings' sums are the same on every rank, so it raises on every rank (CERAR checks its own)."""
-        if nonfinite == "raise" and not self.route.coded and not bool(torch.isfinite(result).all()):
+        rings' sums are the same on every rank, so it raises on every rank (CERAR checks its own).
+        One pass without a temporary (``max_abs``): ``isfinite(...).all()`` writes a mask of the
+        whole tensor, which cost 0.4x the 8-bit ring's own time on a 64 MB call."""
+        if nonfinite == "raise" and not self.route.coded and not math.isfinite(max_abs(result)):
             raise NonFiniteError(
                 f"cerar auto: the {self.label} {what} is not finite (some rank's input held NaN or Inf, "
                 "or the sum overflowed)."
