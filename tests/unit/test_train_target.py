@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cerar.cli.train import _baseline_cap, _target_rule
+from cerar.cli.train import _target_rule
 from cerar.experiments.train import report
 
 
@@ -23,16 +23,15 @@ def test_the_exact_baseline_sets_the_target_and_its_rule_under_any_name(prefix: 
         _run(f"{prefix}allreduce", "allreduce", 4.0, 0.40, 2.30),  # the faster bucket: the tuned one
         _run(f"{prefix}int8", "int8", 1.0, 0.30, 2.10),
     ]
-    best = report.best_buckets(runs)  # type: ignore[arg-type]
     assert report.default_target(runs) == pytest.approx(2.31)  # type: ignore[arg-type]
-    assert _baseline_cap(runs, best) == 4.0
-    rule = _target_rule(argparse.Namespace(target_loss=None), _baseline_cap(runs, best), sweep=True)
+    assert report.baseline_bucket(runs) == 4.0  # type: ignore[arg-type]
+    rule = _target_rule(argparse.Namespace(target_loss=None), report.baseline_bucket(runs), sweep=True)  # type: ignore[arg-type]
     assert rule.startswith("allreduce's mean final loss") and "4 MB" in rule
 
 
 def test_without_an_exact_run_the_rule_asks_for_a_target() -> None:
     runs = [_run("hsdp-int8", "int8", 1.0, 0.30, 2.10)]
     assert report.default_target(runs) is None  # type: ignore[arg-type]
-    assert _baseline_cap(runs, report.best_buckets(runs)) is None  # type: ignore[arg-type]
+    assert report.baseline_bucket(runs) is None  # type: ignore[arg-type]
     assert _target_rule(argparse.Namespace(target_loss=None), None, sweep=False).startswith("none")
     assert _target_rule(argparse.Namespace(target_loss=2.0), None, sweep=False) == "given by --target-loss"

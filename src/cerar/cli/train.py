@@ -232,7 +232,7 @@ def _summarize(
         "rate": args.rate if args.regime == "slow" else None,
         "link_rate_bytes_per_s": link_rate,
         "target_val_loss": target,
-        "target_rule": _target_rule(args, _baseline_cap(summaries, best), len(caps) > 1),
+        "target_rule": _target_rule(args, report.baseline_bucket(summaries), len(caps) > 1),
         "noise_spread": report.noise_spread(report.at_best(summaries, best)),  # the tuned allreduce's seeds
         "bucket_caps_mb": caps,
         "total_wall_s": wall_s,
@@ -268,14 +268,6 @@ def _print_tables(summary: dict[str, Any], summaries: list[Any]) -> None:
         from cerar.experiments.train.sweep import format_sweep
 
         print("\n" + format_sweep(summary["sweep"]))
-
-
-def _baseline_cap(summaries: list[Any], best: dict[str, float]) -> float | None:
-    """The bucket size of the tuned exact baseline (any ``allreduce`` run: DDP's, ``hsdp:``'s or
-    ``group:``'s; their names differ, their method is the same), ``None`` without one."""
-    from cerar.experiments.train.report import at_best
-
-    return next((s.bucket_cap_mb for s in at_best(summaries, best) if s.method == "allreduce"), None)
 
 
 def _target_rule(args: argparse.Namespace, baseline_cap: float | None, sweep: bool) -> str:

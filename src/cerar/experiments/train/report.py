@@ -39,6 +39,7 @@ from cerar.experiments.train.config import TrainConfig
 __all__ = [
     "RunSummary",
     "at_best",
+    "baseline_bucket",
     "best_buckets",
     "compare",
     "default_target",
@@ -209,6 +210,12 @@ def best_buckets(summaries: Sequence[RunSummary]) -> dict[str, float]:
 def at_best(summaries: Sequence[RunSummary], best: dict[str, float]) -> list[RunSummary]:
     """The runs at their method's best bucket size (every seed of it)."""
     return [s for s in summaries if best.get(s.name) == s.bucket_cap_mb]
+
+
+def baseline_bucket(summaries: Sequence[RunSummary]) -> float | None:
+    """The tuned exact baseline's bucket size: that of the fastest ``allreduce`` runs (DDP's,
+    ``hsdp:``'s or ``group:``'s: their names differ, their method is the same); None without one."""
+    return next((s.bucket_cap_mb for s in at_best(summaries, best_buckets(summaries)) if s.method == "allreduce"), None)
 
 
 def default_target(summaries: Sequence[RunSummary]) -> float | None:
