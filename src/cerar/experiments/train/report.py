@@ -212,18 +212,23 @@ def at_best(summaries: Sequence[RunSummary], best: dict[str, float]) -> list[Run
     return [s for s in summaries if best.get(s.name) == s.bucket_cap_mb]
 
 
+def _tuned_exact(summaries: Sequence[RunSummary]) -> list[RunSummary]:
+    """The ``allreduce`` runs at allreduce's best bucket size (DDP's, ``hsdp:``'s or ``group:``'s:
+    their names differ, their method is the same)."""
+    return [s for s in at_best(summaries, best_buckets(summaries)) if s.method == "allreduce"]
+
+
 def baseline_bucket(summaries: Sequence[RunSummary]) -> float | None:
-    """The tuned exact baseline's bucket size: that of the fastest ``allreduce`` runs (DDP's,
-    ``hsdp:``'s or ``group:``'s: their names differ, their method is the same); None without one."""
-    return next((s.bucket_cap_mb for s in at_best(summaries, best_buckets(summaries)) if s.method == "allreduce"), None)
+    """The tuned exact baseline's bucket size; None without an ``allreduce`` run."""
+    tuned = _tuned_exact(summaries)
+    return tuned[0].bucket_cap_mb if tuned else None
 
 
 def default_target(summaries: Sequence[RunSummary]) -> float | None:
     """The tuned exact baseline's quality: mean final validation loss of the ``allreduce`` runs
     at allreduce's best bucket size plus their seed spread (at least 0.01 nats), i.e. "as good
     as a tuned allreduce, within noise". ``None`` without allreduce runs."""
-    tuned = [s for s in at_best(summaries, best_buckets(summaries)) if s.method == "allreduce"]
-    finals = [s.final_val_loss for s in tuned]
+    finals = [s.final_val_loss for s in _tuned_exact(summaries)]
     if not finals:
         return None
     return _mean(finals) + max(0.01, max(finals) - min(finals))
