@@ -19,6 +19,7 @@ import pytest
 from processes import alive
 
 from cerar.harness import netem
+from cerar.harness.forked import Zygote
 from cerar.harness.launch import LaunchError, launch
 
 needs_netns = pytest.mark.skipif(netem.unavailable_reason() is not None, reason=str(netem.unavailable_reason()))
@@ -89,6 +90,15 @@ def _sleeper(tmp_path: Path) -> Path:
     return script
 
 
+def _sleepers(tmp_path: Path, args: list[str], start: str) -> tuple[list[str], dict]:
+    """The sleeper's argv and launch's keywords: each rank its own interpreter (``exec``), or
+    forked from one that imported ``json`` (``fork``, ``preload``: a ``-m`` module)."""
+    _sleeper(tmp_path)
+    if start == "fork":
+        return [sys.executable, "-m", "sleeper", *args], {"cwd": str(tmp_path), "preload": ["json"]}
+    return [sys.executable, str(tmp_path / "sleeper.py"), *args], {}
+
+
 # --------------------------------------------------------------------------------------------
 # argument checks
 
@@ -111,6 +121,10 @@ def test_command_must_be_argv() -> None:
         ({"timeout_s": 0}, ValueError, "Argument 'timeout_s' must be positive, not 0.0"),
         ({"env": {"A": 1}}, TypeError, "Argument 'env'"),
         ({"cwd": "/no/such/dir"}, ValueError, "Argument 'cwd'"),
+        ({"preload": "json"}, TypeError, "Argument 'preload' must be a sequence of module names"),
+        ({"preload": ["json"]}, ValueError, r"'command' must be \[sys.executable, '-m', MODULE, ...\] with preload"),
+        ({"preload": ["json"], "regime": "slow"}, ValueError, "Argument 'preload' needs regime 'fast'"),
+        ({"preload": ["json"], "launcher": "torchrun"}, ValueError, "Argument 'preload' needs .* launcher 'direct'"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:
@@ -152,9 +166,61 @@ def test_env_and_cwd_reach_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.multirank
-def test_fast_failed_rank_kills_the_others(tmp_path: Path) -> None:
+def test_preload_imports_once_and_forks_each_rank(tmp_path: Path) -> None:
+    (tmp_path / "heavy.py").write_text("import os\nIMPORTED_BY = os.getpid()\n")
+    (tmp_path / "ranker.py").write_text(
+        "import os, sys, heavy\n"
+        "print(os.environ['RANK'], heavy.IMPORTED_BY, os.getpid(), os.getcwd(), os.environ['CERAR_X'], *sys.argv[1:])\n"
+        "print('to stderr', os.environ['RANK'], file=sys.stderr)\n"
+        "sys.exit(0 if __name__ == '__main__' else 5)\n"
+    )
+    command = [sys.executable, "-m", "ranker", "--flag", "x y"]
+    result = launch(command, 3, cwd=str(tmp_path), env={"CERAR_X": "yes"}, preload=["heavy"], timeout_s=60)
+    fields = [r.stdout.split() for r in result.ranks]
+    assert [f[0] for f in fields] == ["0", "1", "2"] and all(r.returncode == 0 for r in result.ranks)
+    imported_by, pids = {f[1] for f in fields}, {f[2] for f in fields}
+    assert len(imported_by) == 1 and len(pids) == 3 and not imported_by & pids  # one import, three ranks
+    assert all(f[3:] == [str(tmp_path), "yes", "--flag", "x", "y"] for f in fields)
+    assert [r.stderr for r in result.ranks] == [f"to stderr {rank}\n" for rank in range(3)]
+
+
+@pytest.mark.multirank
+def test_one_zygote_serves_several_launches_even_after_one_fails(tmp_path: Path) -> None:
+    (tmp_path / "heavy.py").write_text("import os\nIMPORTED_BY = os.getpid()\n")
+    (tmp_path / "ranker.py").write_text(
+        "import os, sys, heavy\nprint(heavy.IMPORTED_BY)\nsys.exit(int(sys.argv[1]) * int(os.environ['RANK']))\n"
+    )
+    _sleeper(tmp_path)
+    with Zygote(["heavy"], cwd=str(tmp_path)) as zygote:
+        first = launch([sys.executable, "-m", "ranker", "0"], 2, preload=zygote, timeout_s=60)
+        with pytest.raises(LaunchError) as info:
+            launch([sys.executable, "-m", "ranker", "3"], 2, preload=zygote, timeout_s=60)
+        assert info.value.failed == [1] and info.value.results[1].returncode == 3
+        with pytest.raises(LaunchError) as info:  # a timeout stops this launch's ranks, not the zygote
+            launch([sys.executable, "-m", "sleeper", str(tmp_path), "-1", "0"], 2, preload=zygote, timeout_s=3)
+        assert info.value.timed_out
+        _assert_gone(_pids(tmp_path, 2, timeout=1))
+        again = launch([sys.executable, "-m", "ranker", "0"], 2, preload=zygote, timeout_s=60)
+        assert zygote.process.poll() is None
+    assert zygote.process.poll() is not None  # closed with the block
+    imported_by = {r.stdout.split()[0] for result in (first, again) for r in result.ranks}
+    assert imported_by == {str(zygote.process.pid)}  # the orphan guard execs the zygote: one pid
+
+
+@pytest.mark.multirank
+def test_a_preload_that_fails_to_import_leaves_the_rank_to_say_so(tmp_path: Path) -> None:
+    (tmp_path / "ranker.py").write_text("import no_such_module_of_cerar\n")
     with pytest.raises(LaunchError) as info:
-        launch([sys.executable, str(_sleeper(tmp_path)), str(tmp_path), "1", "3"], 3, timeout_s=60)
+        launch([sys.executable, "-m", "ranker"], 2, cwd=str(tmp_path), preload=["no_such_module_of_cerar"])
+    assert info.value.failed and "No module named 'no_such_module_of_cerar'" in str(info.value)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("start", ["exec", "fork"])
+def test_fast_failed_rank_kills_the_others(tmp_path: Path, start: str) -> None:
+    command, options = _sleepers(tmp_path, [str(tmp_path), "1", "3"], start)
+    with pytest.raises(LaunchError) as info:
+        launch(command, 3, timeout_s=60, **options)
     err = info.value
     assert err.failed == [1] and not err.timed_out
     assert "rank 1 exited with 3" in str(err) and "failing on purpose" in str(err)
@@ -164,9 +230,11 @@ def test_fast_failed_rank_kills_the_others(tmp_path: Path) -> None:
 
 
 @pytest.mark.multirank
-def test_fast_timeout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["exec", "fork"])
+def test_fast_timeout(tmp_path: Path, start: str) -> None:
+    command, options = _sleepers(tmp_path, [str(tmp_path), "-1", "0"], start)
     with pytest.raises(LaunchError) as info:
-        launch([sys.executable, str(_sleeper(tmp_path)), str(tmp_path), "-1", "0"], 2, timeout_s=3)
+        launch(command, 2, timeout_s=3, **options)
     assert info.value.timed_out and info.value.failed == []
     assert "timed out after 3 s" in str(info.value)
     _assert_gone(_pids(tmp_path, 2, timeout=1))
@@ -213,8 +281,11 @@ LAUNCHER = textwrap.dedent(
     # children SIGINT ignored, and an ignored SIGINT is not what this test is about.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from cerar.harness.launch import launch
-    launch([sys.executable, sys.argv[1], sys.argv[2], "-1", "0"], 2, regime=sys.argv[3], probe=False,
-           timeout_s=120)
+    script, d, regime, start = sys.argv[1:5]
+    if start == "fork":  # the sleeper as a module, the ranks forked from one process
+        launch([sys.executable, "-m", "sleeper", d, "-1", "0"], 2, cwd=d, preload=["json"], timeout_s=120)
+    else:
+        launch([sys.executable, script, d, "-1", "0"], 2, regime=regime, probe=False, timeout_s=120)
     """
 )
 
@@ -226,11 +297,13 @@ LAUNCHER = textwrap.dedent(
         pytest.param("slow", signal.SIGTERM, marks=[pytest.mark.netns, needs_netns]),
         pytest.param("slow", signal.SIGINT, marks=[pytest.mark.netns, needs_netns]),
         ("fast", signal.SIGTERM),
+        ("fork", signal.SIGTERM),
     ],
 )
 def test_signal_to_launcher_cleans_up(tmp_path: Path, regime: str, sig: signal.Signals) -> None:
+    start = "fork" if regime == "fork" else "exec"
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(_sleeper(tmp_path)), str(tmp_path), regime],
+        [sys.executable, "-c", LAUNCHER, str(_sleeper(tmp_path)), str(tmp_path), regime, start],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -307,10 +380,11 @@ def test_launch_module_cli_writes_each_line_whole() -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("regime", [pytest.param("slow", marks=[pytest.mark.netns, needs_netns]), "fast"])
+@pytest.mark.parametrize("regime", [pytest.param("slow", marks=[pytest.mark.netns, needs_netns]), "fast", "fork"])
 def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path, regime: str) -> None:
+    start = "fork" if regime == "fork" else "exec"
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(_sleeper(tmp_path)), str(tmp_path), regime],
+        [sys.executable, "-c", LAUNCHER, str(_sleeper(tmp_path)), str(tmp_path), regime, start],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -331,9 +405,9 @@ def test_sigkilled_launcher_takes_its_ranks_along(tmp_path: Path, regime: str) -
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-        for rank, _, _ in _pids(tmp_path, 2, timeout=1) if (tmp_path / "pid-1").exists() else []:
+        for _, child, _ in _pids(tmp_path, 2, timeout=1) if (tmp_path / "pid-1").exists() else []:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(rank, signal.SIGKILL)  # the sleepers' orphaned grandchildren
+                os.kill(child, signal.SIGKILL)  # the sleepers' orphaned grandchildren
 
 
 def test_slow_unavailable_raises_clearly(monkeypatch: pytest.MonkeyPatch) -> None:

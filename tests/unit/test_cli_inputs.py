@@ -159,6 +159,7 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     that a row's command line does not place land there)."""
     import cerar.experiments.bench.run as bench_run
     import cerar.experiments.plan as planning
+    import cerar.harness.forked as forked
     import cerar.harness.launch as launching
     import cerar.harness.processes as processes
 
@@ -167,6 +168,7 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(launching, "launch", _start)
     monkeypatch.setattr(bench_run, "launch", _start)
     monkeypatch.setattr(processes.RankProcesses, "start", _start)
+    monkeypatch.setattr(forked.Zygote, "__init__", _start)  # the process that forks training ranks
     monkeypatch.setattr(planning, "probe", _start)
     monkeypatch.chdir(tmp_path)
 

@@ -1,8 +1,8 @@
 """``cerar train``: the Pythia-style training experiment, every method on the same data.
 
 For each method (and, for ``allreduce``, each noise seed) it launches ``N`` local ranks of
-:mod:`cerar.experiments.train.worker` with :func:`cerar.harness.launch.launch` on a fast (loopback) or slow
-(rate-limited network namespaces) network, then writes under ``--out``:
+:mod:`cerar.experiments.train.worker` on a fast (loopback; forked from one process that imported
+the model) or slow (rate-limited network namespaces) network, then writes under ``--out``:
 
 * ``runs/<label>.json``: every rank's per-step and per-evaluation record;
 * ``summary.json``: the per-run summaries, comparisons, link rate and settings;
@@ -10,15 +10,16 @@ For each method (and, for ``allreduce``, each noise seed) it launches ``N`` loca
 
 and prints the summary table and each method family at its best tried setting
 (:mod:`cerar.experiments.train.tuning`: ``diloco:10 diloco:25`` are two settings of ``diloco``).
-``--bucket-cap-mb 1,4,16`` sweeps DDP's bucket size: every run
-at every size (labels ``cerar-c8-b4-s0``), reported as the full grid and, beside it, each
-method at its best size against the tuned allreduce (:mod:`cerar.experiments.train.sweep`).
+``--bucket-cap-mb 1,4,16`` sweeps DDP's bucket size: every run at every size (labels
+``cerar-c8-b4-s0``), reported as the full grid and, beside it, each method at its best size
+against the tuned allreduce (:mod:`cerar.experiments.train.sweep`).
 The same worker runs under ``torchrun`` directly (see :mod:`cerar.experiments.train.worker`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,16 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"methods: {', '.join(h.usage for h in HOOKS.values())}; schedules around one (<method>, default "
         f"allreduce): {', '.join(USAGE.values())}; through cerar's process group instead of a hook: "
         "group:<method> (DDP) and hsdp:<method> (FSDP2 HSDP on --nodes, cerar between them), <method> one of "
-        "allreduce, ring, fp16, cerar[:c|:kN][:fp16], auto[:budget]; list several settings (diloco:10 "
-        "diloco:25) to tune (default: %(default)s)",
+        "allreduce, ring, fp16, int8, fp8, cerar[:c|:kN][:fp16], auto[:budget]; list several settings "
+        "(diloco:10 diloco:25) to tune (default: %(default)s)",
     )
-    p.add_argument(
-        "--world-size",
-        "-N",
-        type=int,
-        default=DEFAULT_WORLD_SIZE,
-        help=f"ranks (default {DEFAULT_WORLD_SIZE}; set by --nodes x --ranks-per-node)",
-    )
+    p.add_argument("--world-size", "-N", type=int, default=DEFAULT_WORLD_SIZE,
+                   help=f"ranks (default {DEFAULT_WORLD_SIZE}; set by --nodes x --ranks-per-node)")  # fmt: skip
     p.add_argument(
         "--nodes",
         type=int,
@@ -142,8 +138,7 @@ def plan_runs(args: argparse.Namespace) -> list[TrainConfig]:
 
 
 def run_label(config: TrainConfig, configs: list[TrainConfig]) -> str:
-    """``config.label``, or in a bucket sweep (several sizes among ``configs``) its
-    ``bucket_label``."""
+    """``config.label``, or in a bucket sweep (several sizes among ``configs``) ``bucket_label``."""
     sweep = len({c.bucket_cap_mb for c in configs}) > 1
     return config.bucket_label if sweep else config.label
 
@@ -290,43 +285,46 @@ def _require_extras(args: argparse.Namespace) -> None:
 
 
 def _run_all(configs: list[TrainConfig], args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[float], float]:
-    """Every run in turn (or its stored record with ``--reuse``), one progress bar over all
-    steps; return the run records, the link rates the launcher measured, and the wall time of the
-    reused runs."""
+    """Every run in turn (or its record with ``--reuse``) under one progress bar; return the
+    records, the link rates the launcher measured, and the reused runs' wall time."""
     from tqdm import tqdm
+
+    from cerar.experiments.train.model import RANK_IMPORTS
+    from cerar.harness.forked import Zygote
 
     runs_dir = args.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(
-        total=sum(c.steps for c in configs),
-        unit="step",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        mininterval=0.2 if sys.stderr.isatty() else 10.0,  # a log file gets a line now and then
-    )
+    interval = 0.2 if sys.stderr.isatty() else 10.0  # a log file gets a line now and then
+    bar = tqdm(total=sum(c.steps for c in configs), unit="step", file=sys.stderr, dynamic_ncols=True,
+               mininterval=interval)  # fmt: skip
     runs: list[dict[str, Any]] = []
     reused_wall_s = 0.0
-    for config in configs:
-        label = run_label(config, configs)
-        out_path = runs_dir / f"{label}.json"
-        record = _reusable(out_path, config, args) if args.reuse else None
-        if record is not None:
-            reused_wall_s += float((record.get("launch") or {}).get("wall_s", 0.0))
-            bar.update(config.steps)
-        else:
+    with contextlib.ExitStack() as stack:
+        preload: Any = None  # on loopback, one zygote forks every run's ranks (cerar.harness.forked)
+        for config in configs:
+            label = run_label(config, configs)
+            out_path = runs_dir / f"{label}.json"
+            record = _reusable(out_path, config, args) if args.reuse else None
+            if record is not None:
+                reused_wall_s += float((record.get("launch") or {}).get("wall_s", 0.0))
+                bar.update(config.steps)
+                runs.append(record)
+                continue  # no zygote started for a run that is reused
+            if preload is None:
+                preload = stack.enter_context(Zygote(RANK_IMPORTS)) if args.regime == "fast" else ()
             bar.set_description(label)
-            record = _launch_run(config, runs_dir / f"{label}.config.json", out_path, args, bar)
+            record = _launch_run(config, runs_dir / f"{label}.config.json", out_path, args, bar, preload)
             if record.get("label") != label:  # the worker names a run by its config alone
                 record["label"] = label
                 out_path.write_text(json.dumps(record))
-        runs.append(record)
+            runs.append(record)
     bar.close()
     rates = [rate for r in runs if (rate := (r.get("launch") or {}).get("link_rate_bytes_per_s"))]
     return runs, rates, reused_wall_s
 
 
 def _launch_run(
-    config: TrainConfig, config_path: Path, out_path: Path, args: argparse.Namespace, bar: Any
+    config: TrainConfig, config_path: Path, out_path: Path, args: argparse.Namespace, bar: Any, preload: Any
 ) -> dict[str, Any]:
     """Launch the ranks of one run on the chosen network; return rank 0's record with the
     launch's figures added (also written back to ``out_path``)."""
@@ -347,11 +345,11 @@ def _launch_run(
                 bar.update(step - done["steps"])
                 done["steps"] = step
 
-    worker = [sys.executable, "-m", "cerar.experiments.train.worker"]
-    command = [*worker, "--config", str(config_path), "--out", str(out_path), "--progress", "lines"]
+    command = [sys.executable, "-m", "cerar.experiments.train.worker", "--config", str(config_path)]
+    command += ["--out", str(out_path), "--progress", "lines"]
     load_before = os.getloadavg()[0]
     network = {"regime": args.regime, "rate": args.rate, "delay": args.delay, "ranks_per_node": args.ranks_per_node}
-    result = launch(command, args.world_size, timeout_s=args.timeout_s, on_line=follow, **network)
+    result = launch(command, args.world_size, timeout_s=args.timeout_s, on_line=follow, preload=preload, **network)
     record = json.loads(out_path.read_text())
     # The machine may be shared: the load average says how much others competed for the CPUs.
     record["launch"] = {

@@ -23,7 +23,10 @@ torchrun starts the ranks, as on a real cluster (:mod:`cerar.harness.torchrun`).
 costs each node one more Python process with torch (the agent) and the rendezvous, several
 seconds of CPU each (``docs/results.md``). The ranks' work is the same either way (once they
 run, torchrun only watches them), so ``direct`` stays the default: it starts sooner and keeps
-each rank's output apart.
+each rank's output apart. With ``preload`` (``fast`` only), ``direct`` forks the ranks from one
+process that imported those modules once, instead of starting an interpreter per rank
+(:mod:`cerar.harness.forked`), as ``cerar train`` and ``cerar study --gradients`` do on
+loopback: importing their model costs each rank about 6 s of CPU.
 
 Why 400 Mbit/s by default: the link must dominate the built-in all-reduce, or the slow regime
 says nothing about slow links: at 400 Mbit/s Gloo's all-reduce of 16 MiB takes its wire time
@@ -53,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from cerar._checks import check_choice, check_float, check_int
+from cerar.harness.forked import ForkedRanks, Zygote, module_command
 from cerar.harness.netem import (
     NetemUnavailable,
     Network,
@@ -62,7 +66,14 @@ from cerar.harness.netem import (
     free_loopback_port,
 )
 from cerar.harness.probe import measure_link_rate
-from cerar.harness.processes import LaunchError, LineCallback, RankProcesses, RankResult, describe_returncode
+from cerar.harness.processes import (
+    LaunchError,
+    LineCallback,
+    RankProcesses,
+    RankResult,
+    base_environment,
+    describe_returncode,
+)
 from cerar.harness.torchrun import RENDEZVOUS, NodeProcesses
 
 REGIMES = ("fast", "slow")
@@ -134,6 +145,7 @@ def launch(
     ranks_per_node: int = 1,
     launcher: str = "direct",
     rdzv: str = "c10d",
+    preload: Sequence[str] | Zygote = (),
 ) -> LaunchResult:
     """Run ``command`` as ``world_size`` ranks and wait for all of them.
 
@@ -157,6 +169,10 @@ def launch(
             ``torchrun``, ``on_line`` and the results name nodes, not ranks.
         rdzv: ``torchrun``: ``"c10d"`` (node 0 hosts the store) or ``"static"``
             (``--node-rank``, ``--master-addr``).
+        preload: modules to import once and fork every rank from (``fast``, ``direct``, a
+            ``python -m`` command; see :mod:`cerar.harness.forked`), e.g. the ones a training
+            rank spends its start-up importing, or a :class:`~cerar.harness.forked.Zygote`
+            that imported them for several launches. Empty: every rank starts an interpreter.
 
     Raises:
         LaunchError: a rank (with ``torchrun``: a node's agent) failed, or the timeout passed.
@@ -173,7 +189,9 @@ def launch(
         raise ValueError(f"Argument 'ranks_per_node' must divide world_size {world_size}, not {ranks_per_node}.")
     launcher = check_choice("launcher", launcher, LAUNCHERS)
     rdzv = check_choice("rdzv", rdzv, RENDEZVOUS)
-    cwd, base_env = _check_cwd(cwd), _base_env(env)
+    cwd, env = _check_cwd(cwd), _check_env(env)
+    base_env = base_environment(env)
+    preload = _check_preload(preload, argv, regime, launcher)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_exits())
         net: Network | None = None
@@ -183,11 +201,16 @@ def launch(
             if probe and net.nodes >= 2:
                 link_rate = measure_link_rate(net, dst=ranks_per_node)  # rank 0's node to the next node
 
+        zygote = preload if isinstance(preload, Zygote) else None
+        if preload and zygote is None:
+            zygote = stack.enter_context(Zygote(preload, cwd=cwd, env=env))
         log_dir = ""
         if launcher == "torchrun":  # the agents' logs and error files, not /tmp/torchelastic_*
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="cerar-torchrun-"))
 
         def new_ranks() -> RankProcesses:
+            if zygote is not None:
+                return ForkedRanks(argv, world_size, base_env, cwd, net, on_line, ranks_per_node, zygote=zygote)
             if launcher == "direct":
                 return RankProcesses(argv, world_size, base_env, cwd, net, on_line, ranks_per_node)
             run_id = net.run_id if net else f"{os.getpid()}-{secrets.token_hex(2)}"
@@ -235,15 +258,6 @@ def _port_taken(exc: LaunchError) -> bool:
     return any("address already in use" in r.stderr.lower() for r in exc.results)
 
 
-def _base_env(env: Mapping[str, str] | None) -> dict[str, str]:
-    """The launcher's environment under ``env``, as every rank gets it."""
-    base = dict(os.environ)
-    base.setdefault("OMP_NUM_THREADS", "1")
-    base["PYTHONUNBUFFERED"] = "1"  # ranks' lines arrive while they run
-    base.update(_check_env(env))
-    return base
-
-
 def _check_command(command: Sequence[str]) -> list[str]:
     if isinstance(command, (str, bytes)) or not isinstance(command, Sequence):
         raise TypeError(f"Argument 'command' must be a sequence of strings (argv), not {command!r}.")
@@ -251,6 +265,21 @@ def _check_command(command: Sequence[str]) -> list[str]:
     if not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError(f"Argument 'command' must be a non-empty list of strings, not {command!r}.")
     return argv
+
+
+def _check_preload(
+    preload: Sequence[str] | Zygote, argv: list[str], regime: str, launcher: str
+) -> Sequence[str] | Zygote:
+    names = isinstance(preload, Sequence) and not isinstance(preload, (str, bytes))
+    if not isinstance(preload, Zygote) and not (names and all(isinstance(m, str) and m for m in preload)):
+        raise TypeError(f"Argument 'preload' must be a sequence of module names or a Zygote, not {preload!r}.")
+    if preload and (regime != "fast" or launcher != "direct"):
+        raise ValueError(
+            f"Argument 'preload' needs regime 'fast' and launcher 'direct', not {regime!r} and {launcher!r}."
+        )
+    if preload:
+        module_command(argv)  # raises for anything but `python -m MODULE`
+    return preload if isinstance(preload, Zygote) else list(preload)
 
 
 def _check_cwd(cwd: str | None) -> str | None:

@@ -15,13 +15,21 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
 from cerar.harness.netem import Network
 
-__all__ = ["LaunchError", "LineCallback", "RankProcesses", "RankResult", "describe_returncode", "orphan_guard"]
+__all__ = [
+    "LaunchError",
+    "LineCallback",
+    "RankProcesses",
+    "RankResult",
+    "base_environment",
+    "describe_returncode",
+    "orphan_guard",
+]
 
 _KILL_GRACE_S = 1.0
 _TAIL_LINES = 20
@@ -66,13 +74,23 @@ def describe_returncode(code: int) -> str:
     return str(code)
 
 
+def base_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher's environment under ``env``, as every rank gets it."""
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base["PYTHONUNBUFFERED"] = "1"  # ranks' lines arrive while they run
+    base.update(env or {})
+    return base
+
+
 class RankProcesses:
     """The rank processes of one launch, their reader threads and their collected output.
 
     One process per rank (``count`` = ``world_size``, labelled ``rank`` in errors); a subclass
     may start other processes (:class:`cerar.harness.torchrun.NodeProcesses`: one torchrun
     agent per node) by overriding ``count``, ``label``, :meth:`prefix`, :meth:`command` and
-    :meth:`env`.
+    :meth:`env`, or start them otherwise (:class:`cerar.harness.forked.ForkedRanks`: forked
+    from one process) by overriding :meth:`start`.
     """
 
     label = "rank"

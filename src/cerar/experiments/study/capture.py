@@ -203,6 +203,7 @@ def capture_gradients(
         on_line: forwarded to :func:`cerar.harness.launch.launch` (rank 0's progress lines are of
             kind ``capture``, see :mod:`cerar.harness.progress`: step, steps, loss).
     """
+    from cerar.experiments.train.model import RANK_IMPORTS
     from cerar.harness.launch import launch
 
     world_size = check_int("world_size", world_size, minimum=2)
@@ -231,7 +232,7 @@ def capture_gradients(
     ]  # fmt: skip
     # The warm-up must fit in short runs (TrainConfig's default is 30 steps).
     argv += ["--warmup-steps", str(min(TrainConfig().warmup_steps, max(steps // 10, 1)))]
-    launch(argv, world_size, regime="fast", timeout_s=timeout_s, on_line=on_line)
+    launch(argv, world_size, regime="fast", timeout_s=timeout_s, on_line=on_line, preload=RANK_IMPORTS)
     return load_capture(out_path)
 
 

@@ -8,7 +8,16 @@ from torch import nn
 
 from cerar.experiments.train.config import BYTE_VOCAB, ModelConfig
 
-__all__ = ["build_model", "lm_loss", "local_gradient", "parameter_groups"]
+__all__ = ["RANK_IMPORTS", "build_model", "lm_loss", "local_gradient", "parameter_groups"]
+
+#: What a training rank imports before its first step (the loop, FSDP, transformers' GPT-NeoX):
+#: about 6 s of CPU per rank. On loopback one process imports them and forks every run's ranks
+#: (``launch(preload=)``, :class:`cerar.harness.forked.Zygote`).
+RANK_IMPORTS = (
+    "cerar.experiments.train.loop",
+    "torch.distributed.fsdp",
+    "transformers.models.gpt_neox.modeling_gpt_neox",
+)
 
 
 def build_model(config: ModelConfig, seed: int) -> nn.Module:
