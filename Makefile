@@ -23,11 +23,14 @@ design: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks examples
 
-# Every layer: unit (single process), multirank (Gloo ranks), integration (commands, netns). One
-# process: the suite is CPU-bound, and two workers were not shown faster beyond the run-to-run spread.
+# Every layer: unit (single process), multirank (Gloo ranks), integration (commands, netns), in
+# two passes. First every test that starts no ranks, on two workers as in test-fast: they are
+# independent and each uses one core. Then every test that starts ranks, in one process: those
+# use both cores themselves, and several wait on timeouts that a second test's load would stretch.
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 -m "not multirank"
+	$(BIN)/python -m pytest -q -m multirank
 
 # The single-process layer only, no ranks started and no command run end to end: the maths, the
 # simulators, the import contract; its tests are independent, so two workers share them.

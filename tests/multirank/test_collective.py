@@ -16,7 +16,7 @@ from cerar.coding.precision import UNIT_ROUNDOFF
 from cerar.comm.ring.stats import CommStats
 from cerar.protocol.schedule import Schedule
 from cerar.protocol.simulate_ring import simulate_ring
-from multirank import RankFailure, check, run_ranks
+from multirank import RankFailure, check, run_ranks, wait_for_peers
 
 pytestmark = pytest.mark.multirank
 
@@ -322,7 +322,7 @@ def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
         def faulty(work: dist.Work, ring: Ring, round_index: int) -> None:
             if round_index == 3:  # mid-call, after two rounds
                 if fault == "stuck":
-                    time.sleep(12)
+                    wait_for_peers(at_most=12)
                 os._exit(3)
             original(work, ring, round_index)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from multirank import RankFailure, check, run_ranks
+from multirank import RankFailure, check, run_ranks, wait_for_peers
 
 pytestmark = pytest.mark.multirank
 SHORT = datetime.timedelta(seconds=5)  # the groups' timeout here: what a case that hangs today waits for
@@ -291,7 +291,7 @@ def _stopped_peer(rank: int, world: int) -> dict[str, Any] | None:
     group = cerar.new_group(min_bytes=1024, timeout=datetime.timedelta(seconds=10))
     ref = dist.new_group(timeout=datetime.timedelta(seconds=10))
     if rank == world - 1:  # stopped: it never calls
-        time.sleep(11)
+        wait_for_peers(at_most=11)
         return None
     calls = {"gloo": (ref, 16), "exact": (group, 16), "coded": (group, 4096)}
     works = {name: dist.all_reduce(torch.ones(numel), group=pg, async_op=True) for name, (pg, numel) in calls.items()}

@@ -12,7 +12,7 @@ import torch
 import torch._dynamo  # FSDP imports it when first built: once here, not in every forked rank
 from torch import nn
 
-from multirank import check, run_ranks
+from multirank import check, run_ranks, wait_for_peers
 
 pytestmark = pytest.mark.multirank
 TIMEOUT = 180.0
@@ -119,7 +119,7 @@ def _hsdp_failure(rank: int, world_size: int, case: str) -> dict[str, Any] | Non
     groups = cerar.group.hsdp_groups(PER_NODE, min_bytes=0, nonfinite="raise", timeout=timeout)
     model = _shard(_model(), groups.mesh)
     if case == "stopped" and rank == world_size - 1:
-        time.sleep(15)  # never calls: its node-mate and the other nodes must raise on their own
+        wait_for_peers(at_most=15)  # never calls: its node-mate and the other nodes must raise on their own
         return None
     started = time.monotonic()
     try:

@@ -1,6 +1,7 @@
 """Run a function on N Gloo ranks in forked processes, with a hard deadline.
 
-``run_ranks(fn, world_size, *args)`` returns ``[fn(rank, world_size, *args) for each rank]``.
+``run_ranks(fn, world_size, *args)`` returns ``[fn(rank, world_size, *args) for each rank]``;
+a rank that plays a stopped peer calls :func:`wait_for_peers`.
 A rank's exception comes back as a :class:`RankFailure` in its slot (so tests can assert that
 *every* rank raised); a rank that neither returns nor raises before ``timeout`` fails the test
 with all processes killed, so a regression fails instead of hanging CI.
@@ -13,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +27,21 @@ class RankFailure:
     type_name: str
     message: str
     traceback: str
+
+
+# Set by run_ranks before it forks, so that its ranks inherit them: how many ranks of the run have
+# returned or raised so far (a shared counter), and how many there are.
+_RETURNED: Any = None
+_WORLD = 0
+
+
+def wait_for_peers(at_most: float) -> None:
+    """In a rank: stay alive and silent until every other rank of this run has returned or
+    raised, or for ``at_most`` seconds: a stopped peer for exactly as long as the others need
+    one (a fixed sleep long enough for a loaded machine made each such test wait it out)."""
+    end = time.monotonic() + at_most
+    while _RETURNED.value < _WORLD - 1 and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -55,6 +72,8 @@ def _entry(
         value: Any = fn(rank, world_size, *args)
     except BaseException as exc:  # reported to the parent, which decides
         value = RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())
+    with _RETURNED.get_lock():
+        _RETURNED.value += 1
     results.put((rank, value))
     results.close()
     results.join_thread()  # flush the queue's feeder thread before os._exit below
@@ -78,7 +97,9 @@ def run_ranks(
 
     ``allow_missing``: a rank that exits without reporting (e.g. killed on purpose) gets None.
     """
+    global _RETURNED, _WORLD
     ctx = mp.get_context("fork")
+    _RETURNED, _WORLD = ctx.Value("i", 0), world_size
     results = ctx.Queue()
     port = free_port()
     procs = [
