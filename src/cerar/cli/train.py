@@ -300,7 +300,7 @@ def _run_all(configs: list[TrainConfig], args: argparse.Namespace) -> tuple[list
     runs: list[dict[str, Any]] = []
     reused_wall_s = 0.0
     with contextlib.ExitStack() as stack:
-        preload: Any = None  # on loopback, one zygote forks every run's ranks (cerar.harness.forked)
+        zygote: Zygote | None = None  # on loopback, one forks every run's ranks (cerar.harness.forked)
         for config in configs:
             label = run_label(config, configs)
             out_path = runs_dir / f"{label}.json"
@@ -310,10 +310,10 @@ def _run_all(configs: list[TrainConfig], args: argparse.Namespace) -> tuple[list
                 bar.update(config.steps)
                 runs.append(record)
                 continue  # no zygote started for a run that is reused
-            if preload is None:
-                preload = stack.enter_context(Zygote(RANK_IMPORTS)) if args.regime == "fast" else ()
+            if zygote is None and args.regime == "fast":
+                zygote = stack.enter_context(Zygote(RANK_IMPORTS))
             bar.set_description(label)
-            record = _launch_run(config, runs_dir / f"{label}.config.json", out_path, args, bar, preload)
+            record = _launch_run(config, runs_dir / f"{label}.config.json", out_path, args, bar, zygote)
             if record.get("label") != label:  # the worker names a run by its config alone
                 record["label"] = label
                 out_path.write_text(json.dumps(record))
@@ -324,7 +324,7 @@ def _run_all(configs: list[TrainConfig], args: argparse.Namespace) -> tuple[list
 
 
 def _launch_run(
-    config: TrainConfig, config_path: Path, out_path: Path, args: argparse.Namespace, bar: Any, preload: Any
+    config: TrainConfig, config_path: Path, out_path: Path, args: argparse.Namespace, bar: Any, zygote: Any
 ) -> dict[str, Any]:
     """Launch the ranks of one run on the chosen network; return rank 0's record with the
     launch's figures added (also written back to ``out_path``)."""
@@ -349,7 +349,7 @@ def _launch_run(
     command += ["--out", str(out_path), "--progress", "lines"]
     load_before = os.getloadavg()[0]
     network = {"regime": args.regime, "rate": args.rate, "delay": args.delay, "ranks_per_node": args.ranks_per_node}
-    result = launch(command, args.world_size, timeout_s=args.timeout_s, on_line=follow, preload=preload, **network)
+    result = launch(command, args.world_size, timeout_s=args.timeout_s, on_line=follow, preload=zygote or (), **network)
     record = json.loads(out_path.read_text())
     # The machine may be shared: the load average says how much others competed for the CPUs.
     record["launch"] = {

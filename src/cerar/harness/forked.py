@@ -182,11 +182,7 @@ class ForkedRanks(RankProcesses):
             raise RuntimeError(f"the zygote (pid {self.zygote.process.pid}) did not start the ranks")
         self.procs = [_ForkedRank(self.zygote, rank, status) for rank in range(self.count)]  # type: ignore[misc]
         for rank, (out, err) in enumerate(pipes):
-            for fd, name, sink in ((out[0], "stdout", self.out[rank][0]), (err[0], "stderr", self.out[rank][1])):
-                stream = os.fdopen(fd, "r", errors="replace")
-                thread = threading.Thread(target=self._read, args=(rank, name, stream, sink), daemon=True)
-                thread.start()
-                self.threads.append(thread)
+            self.follow(rank, os.fdopen(out[0], "r", errors="replace"), os.fdopen(err[0], "r", errors="replace"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -175,13 +175,14 @@ class RankProcesses:
                 start_new_session=True,
             )
             self.procs.append(proc)
-            for stream, name, sink in (
-                (proc.stdout, "stdout", self.out[rank][0]),
-                (proc.stderr, "stderr", self.out[rank][1]),
-            ):
-                thread = threading.Thread(target=self._read, args=(rank, name, stream, sink), daemon=True)
-                thread.start()
-                self.threads.append(thread)
+            self.follow(rank, proc.stdout, proc.stderr)
+
+    def follow(self, rank: int, stdout: IO[str] | None, stderr: IO[str] | None) -> None:
+        """Start ``rank``'s two reader threads on its output streams."""
+        for stream, name, sink in ((stdout, "stdout", self.out[rank][0]), (stderr, "stderr", self.out[rank][1])):
+            thread = threading.Thread(target=self._read, args=(rank, name, stream, sink), daemon=True)
+            thread.start()
+            self.threads.append(thread)
 
     def _read(self, rank: int, name: str, stream: IO[str] | None, sink: list[str]) -> None:
         if stream is None:
