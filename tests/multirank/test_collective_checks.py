@@ -262,14 +262,23 @@ def _threads_worker(rank: int, world: int) -> dict[str, Any]:
     # ... and hand back: a sync call from the main thread right after.
     third = torch.full((10,), float(rank + 1))
     cerar.ring_all_reduce(third)
-    # A blocking call from a callback (the communication thread) would wait on itself.
-    fut = cerar.all_reduce(torch.ones(10), async_op=True, code=code).get_future()
-    chained = fut.then(lambda _: cerar.all_reduce(torch.ones(3), code=code))
-    try:
-        chained.wait()
-        out["callback"] = "no error"
-    except RuntimeError as exc:
-        out["callback"] = str(exc)
+    # A blocking call from a callback (the communication thread) would wait on itself. Each rank
+    # in turn chains it to a call its peer joins only after a Gloo barrier, so the future is still
+    # in flight when the callback is attached: a future already complete would run the callback
+    # inline, on this thread, where the call is allowed and would wait for a peer that never comes.
+    for caller in range(world):
+        if rank == caller:
+            fut = cerar.all_reduce(torch.ones(10), async_op=True, code=code).get_future()
+            chained = fut.then(lambda _: cerar.all_reduce(torch.ones(3), code=code))
+            dist.barrier()
+            try:
+                chained.wait()
+                out["callback"] = "no error"
+            except RuntimeError as exc:
+                out["callback"] = str(exc)
+        else:
+            dist.barrier()
+            cerar.all_reduce(torch.ones(10), code=code)
     out["values"] = [float(first[0]), float(extra[0]), float(second[0]), float(third[0])]
     return out
 
