@@ -561,7 +561,7 @@ def _monitored(rank: int, world: int) -> dict[str, Any]:
     if rank != 2:  # rank 2 stays away: the barrier names it
         out["missing"] = _timed(lambda: monitored_barrier(group, datetime.timedelta(seconds=2), wait_all_ranks=True))
     else:
-        time.sleep(3)
+        wait_for_peers(at_most=15)  # alive and away until the others' barrier has named it
     return out
 
 

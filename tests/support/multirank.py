@@ -122,6 +122,12 @@ def run_ranks(
             except queue.Empty:
                 if allow_missing and all(not p.is_alive() for p in procs):
                     break
+                # A rank reports before it exits 0; one that died (a signal, an abort in C++) never
+                # will, and waiting out the timeout would hide how it ended.
+                died = {r: p.exitcode for r, p in enumerate(procs) if r not in collected and p.exitcode}
+                if died and not allow_missing:
+                    message = f"ranks died without reporting (rank: exit code; negative: a signal): {died}"
+                    raise RuntimeError(message) from None
     finally:
         for p in procs:
             p.join(timeout=5)
