@@ -168,6 +168,9 @@ class _Worker:
                 else:
                     self.finished(job.token)
                     job.future.set_result(job.tensors)
+            # Not kept while the thread waits for the next call: the call's tensors, and the
+            # closures that hold its process group, go with their caller's references.
+            del job
 
     def fail_queued(self) -> int:
         """Fail every call still queued (never started); returns how many."""
