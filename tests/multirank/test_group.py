@@ -308,3 +308,36 @@ def test_a_coded_calls_error_reaches_ddps_backward_on_every_rank() -> None:
     for failure in run_ranks(_nonfinite_in_ddp, 3, timeout=TIMEOUT):
         assert isinstance(failure, RankFailure) and "NonFiniteError" in failure.message, failure
         assert "rank(s) [1]" in failure.message
+
+
+def _dropped_while_completing(rank: int, world_size: int, holder: str) -> float:
+    import gc
+
+    import cerar
+
+    group = cerar.new_group(min_bytes=1 << 30)  # every all-reduce handed to the exact group
+    model = DDP(nn.Linear(2, 2), process_group=group) if holder == "ddp" else None
+    x = torch.ones(8)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's call completes on a Gloo thread after its callbacks are set
+    work = dist.all_reduce(x, group=group, async_op=True)
+    # Keeps the Gloo thread inside the completion's callbacks while this thread lets the group go.
+    work.get_future().add_done_callback(lambda _: time.sleep(1.0))
+    work.wait()
+    cerar.shutdown()  # as a script ends (examples/ddp_group.py): the last references are the caller's
+    dist.destroy_process_group()
+    del work, group
+    gc.collect()
+    del model  # "ddp": the reducer, which frees its group holding the GIL, is the last holder
+    time.sleep(2.0)  # the Gloo thread returns from the callbacks meanwhile
+    return float(x[0])
+
+
+@pytest.mark.parametrize("holder", ["callbacks", "ddp"])
+def test_a_group_let_go_while_its_exact_call_completes(holder: str) -> None:
+    """The exact group's Gloo backend, which the group adopts, is not destroyed by whoever lets
+    go of the group last: on the Gloo thread that completes the call ("callbacks"), its
+    destructor would join that thread and the process abort ("Resource deadlock avoided"); by
+    DDP's reducer ("ddp"), it would wait, holding the GIL, for that thread, which needs the GIL
+    to finish: the process hung. Both happened at the exit of examples/ddp_group.py."""
+    assert check(run_ranks(_dropped_while_completing, 2, holder, timeout=60)) == [2.0, 2.0]

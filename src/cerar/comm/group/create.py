@@ -13,6 +13,7 @@ members run), straight from the store torch hands it, and registered the same wa
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 from collections.abc import Sequence
@@ -214,7 +215,15 @@ def _adopt_backends(group: dist.ProcessGroup, exact: dist.ProcessGroup) -> None:
     functional collectives' ``*_out`` forms and ``_c10d_functional`` ops resolved by name, the
     coalescing manager) then run on the exact group instead of raising "No backend type
     associated with device type cpu". The group's own methods (``allreduce``, DDP's calls,
-    ``dist.*``) are Python overrides and keep their routing."""
+    ``dist.*``) are Python overrides and keep their routing.
+
+    The exact group is then kept until the interpreter exits (:data:`_KEPT`): whoever let go of
+    ``group`` last would otherwise destroy those backends, and two of its holders must not.
+    DDP's reducer frees its group with the GIL held, and a Gloo worker still retiring the last
+    call (freeing a tensor Python no longer holds takes the GIL) holds the lock the destructor
+    waits for: the process hung at exit. A callback on a Gloo worker that held the last
+    reference made the backend join the thread it ran on: the process aborted. Released at
+    exit, by Python, the GIL is let go while they are destroyed."""
     devices = [("cpu", dist.ProcessGroup.BackendType.GLOO)]
     if torch.cuda.is_available() and dist.is_nccl_available():
         devices.append(("cuda", dist.ProcessGroup.BackendType.NCCL))
@@ -228,6 +237,12 @@ def _adopt_backends(group: dist.ProcessGroup, exact: dist.ProcessGroup) -> None:
         if not adopted:
             group._set_default_backend(kind)
             adopted = True
+    if not _KEPT:
+        atexit.register(_KEPT.clear)
+    _KEPT.append(exact)
+
+
+_KEPT: list[dist.ProcessGroup] = []  # exact groups whose backends a cerar group adopted (see above)
 
 
 _DEFAULTS = [GroupSettings()]  # the backend's groups made without pg_options

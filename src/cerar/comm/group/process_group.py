@@ -226,6 +226,7 @@ class CerarProcessGroup(dist.ProcessGroup):
                 assert ring is not None
                 agree = functools.partial(agree_call, ring, settings, tensors[0].device, None)
             future = issue_in_order(functools.partial(handed, copies), tensors, self.transport, agree)
+        stats = self.stats  # not the group: this runs on the exact group's thread (see chain)
 
         def timed(done: torch.futures.Future[Any]) -> Any:
             try:
@@ -235,7 +236,7 @@ class CerarProcessGroup(dist.ProcessGroup):
                         tensor.copy_(copy)
                 return tensors
             finally:
-                self.stats.add(route, name, nbytes, time.perf_counter() - started)
+                stats.add(route, name, nbytes, time.perf_counter() - started)
 
         devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
         return Work(chain(future, timed, devices))

@@ -54,15 +54,25 @@ def chain(
     object ``finish`` raised (``source.wait()`` there re-raises the call's own, with its type).
     ``finish`` runs before the new future completes, so bookkeeping done there is seen by
     whoever waits on it. On an accelerator, ``source.wait()`` orders the completing thread's
-    stream after the call, so the new future's events follow the result."""
+    stream after the call, so the new future's events follow the result.
+
+    ``finish`` is let go before the new future completes: what it holds (cerar's process group,
+    which holds the exact group's Gloo backend) must not outlive the waiter's own references on
+    the completing thread, a Gloo worker for a call handed to the exact group. Freed there last,
+    the backend's destructor joins the thread it runs on and the process aborts ("Resource
+    deadlock avoided"), as it did at the exit of a script whose last call was such a call."""
     out: torch.futures.Future[Any] = torch.futures.Future(devices=list(devices) if devices else None)
+    held = [finish]
 
     def complete(done: torch.futures.Future[Any]) -> None:
+        run = held.pop()
         try:
-            value = finish(done)
+            value = run(done)
         except BaseException as exc:  # handed on with its own type
+            del run
             out.set_exception(exc)
         else:
+            del run
             out.set_result(value)
 
     source.add_done_callback(complete)
