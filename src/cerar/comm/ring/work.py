@@ -56,11 +56,11 @@ def chain(
     whoever waits on it. On an accelerator, ``source.wait()`` orders the completing thread's
     stream after the call, so the new future's events follow the result.
 
-    ``finish`` is let go before the new future completes: what it holds (cerar's process group,
-    which holds the exact group's Gloo backend) must not outlive the waiter's own references on
-    the completing thread, a Gloo worker for a call handed to the exact group. Freed there last,
-    the backend's destructor joins the thread it runs on and the process aborts ("Resource
-    deadlock avoided"), as it did at the exit of a script whose last call was such a call."""
+    ``finish`` is let go before the new future completes, so what it holds (a hook's state, a
+    process group) never outlives the waiter's own references on the completing thread, which
+    may be one cerar does not own: a Gloo worker, for a call handed to an exact group. A group
+    freed last there has its Gloo backend join the thread it runs on, and the process aborts
+    ("Resource deadlock avoided"; see also ``cerar.comm.group.create._adopt_backends``)."""
     out: torch.futures.Future[Any] = torch.futures.Future(devices=list(devices) if devices else None)
     held = [finish]
 
