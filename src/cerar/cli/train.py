@@ -27,13 +27,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cerar._checks import check_float
 from cerar.experiments.train.config import ModelConfig, TrainConfig, add_config_arguments, config_from_args
 from cerar.experiments.train.methods import HOOKS
 from cerar.experiments.train.schedules import USAGE
 from cerar.harness import resources
+
+if TYPE_CHECKING:
+    from cerar.harness.forked import Zygote
 
 DEFAULT_METHODS = ("allreduce", "cerar:2N", "cerar:3N", "fp16", "powersgd")
 DEFAULT_WORLD_SIZE = 4
@@ -324,7 +327,7 @@ def _run_all(configs: list[TrainConfig], args: argparse.Namespace) -> tuple[list
 
 
 def _launch_run(
-    config: TrainConfig, config_path: Path, out_path: Path, args: argparse.Namespace, bar: Any, zygote: Any
+    config: TrainConfig, config_path: Path, out_path: Path, args: argparse.Namespace, bar: Any, zygote: Zygote | None
 ) -> dict[str, Any]:
     """Launch the ranks of one run on the chosen network; return rank 0's record with the
     launch's figures added (also written back to ``out_path``)."""
