@@ -1,4 +1,4 @@
-"""The block-quantized 8-bit format (cerar.coding.blocks) and the 8-bit ring's simulator."""
+"""The block-quantized formats (cerar.coding.blocks: int8, e4m3fn, packed int4) and their ring's simulator."""
 
 from __future__ import annotations
 
@@ -6,14 +6,18 @@ import numpy as np
 import pytest
 
 from cerar.coding.blocks import (
+    DEFAULT_BLOCK,
     QMAX,
     BlockFormat,
+    code_bytes,
     dequantize,
     fp8_decode,
     fp8_encode,
+    pack_int4,
     quantize,
     ring_error_bound,
     round_trip,
+    unpack_int4,
 )
 from cerar.protocol.simulate_ring import ring_bytes_per_value, simulate_ring
 
@@ -76,8 +80,17 @@ def test_format_defaults_and_validation() -> None:
     assert fmt.bytes_per_value == 1 + 2 / 64
     assert BlockFormat("fp8", 32, "fp32").bytes_per_value == 1.125
     assert "int8" in fmt.describe() and "64" in fmt.describe()
-    with pytest.raises(ValueError, match=r"'wire'.*'int4'"):
-        BlockFormat("int4")
+    with pytest.raises(ValueError, match=r"'wire'.*'int2'"):
+        BlockFormat("int2")
+    # int4: the measured default block (32), half a byte a code, even blocks only
+    assert BlockFormat("int4") == BlockFormat("int4", DEFAULT_BLOCK["int4"], "bf16") == BlockFormat("int4", 32)
+    assert BlockFormat("int8") == BlockFormat("int8", 64, "bf16") and BlockFormat("fp8").block == 64
+    assert BlockFormat("int4", 32, "bf16").bytes_per_value == 0.5 + 2 / 32
+    assert BlockFormat("int4", 8, "fp32").bytes_per_value == 1.0
+    with pytest.raises(ValueError, match=r"'block'.*even.*33"):
+        BlockFormat("int4", 33)
+    with pytest.raises(ValueError, match=r"'block'.*0"):
+        BlockFormat("int4", 0)
     with pytest.raises(ValueError, match=r"'block'.*0"):
         BlockFormat(block=0)
     with pytest.raises(TypeError, match="'block'"):
@@ -93,6 +106,32 @@ def test_int8_rounds_half_to_even() -> None:
     assert codes.dtype == np.int8 and scales.tolist() == [1.0]
     assert codes.tolist() == [127, 2, 4, -2, 0, 127, 0, 1]
     assert np.array_equal(dequantize(codes, scales, fmt, 8), codes.astype(np.float32))
+
+
+def test_int4_rounds_half_to_even_and_clamps() -> None:
+    fmt = BlockFormat("int4", 8, "fp32")
+    x = np.array([7, 2.5, 3.5, -2.5, -0.5, 6.5, -6.5, 0.5], dtype=np.float32)  # absmax 7: s = 1
+    codes, scales = quantize(x, fmt)
+    assert codes.dtype == np.int8 and scales.tolist() == [1.0]
+    assert codes.tolist() == [7, 2, 4, -2, 0, 6, -6, 0]
+    assert np.array_equal(dequantize(codes, scales, fmt, 8), codes.astype(np.float32))
+    # a bfloat16 scale that rounds down (3/7 -> 0.4277): 3 / s = 7.01 is clamped to 7
+    codes, scales = quantize(np.float32([3, -3]), BlockFormat("int4", 2, "bf16"))
+    assert scales[0] < np.float32(3) / np.float32(7) and codes.tolist() == [7, -7]
+
+
+def test_int4_packing() -> None:
+    codes = np.int8([1, -1, 7, -7, -8, 0, 3])
+    packed = pack_int4(codes)
+    assert packed.tolist() == [0xF1, 0x97, 0x08, 0x03]  # low nibble first; the odd count's pad is 0
+    assert np.array_equal(unpack_int4(packed, 7), codes)
+    assert np.array_equal(code_bytes(codes, BlockFormat("int4", 8)), packed)
+    assert code_bytes(np.int8([-1]), BlockFormat("int8", 8)).tolist() == [0xFF]
+    every = np.arange(256, dtype=np.uint8)
+    assert np.array_equal(pack_int4(unpack_int4(every, 512)), every)  # every byte, both ways
+    assert pack_int4(np.zeros((2, 0), dtype=np.int8)).shape == (2, 0)
+    with pytest.raises(ValueError, match="'packed'"):
+        unpack_int4(packed, 9)
 
 
 def test_fp8_block_round_trip() -> None:
@@ -115,7 +154,7 @@ def test_zeros_and_one_huge_value() -> None:
     assert np.allclose(back[8:], x[8:], atol=4 / 254)  # the next block is not affected
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("wire", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_spreads_to_its_block_only(wire: str, bad: float) -> None:
     fmt = BlockFormat(wire, 4, "bf16")
@@ -128,7 +167,7 @@ def test_non_finite_spreads_to_its_block_only(wire: str, bad: float) -> None:
     assert np.isfinite(back[:4]).all() and np.isfinite(back[8:]).all()
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("wire", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("scale", ["fp32", "fp16", "bf16"])
 def test_short_last_block_is_zero_padded(wire: str, scale: str) -> None:
     fmt = BlockFormat(wire, 32, scale)
@@ -154,10 +193,37 @@ def test_scales_are_rounded_to_their_dtype() -> None:
             assert scales[0] == np.float32(np.float16(s))
         else:
             assert scales[0].view(np.uint32) & 0xFFFF == 0 and abs(scales[0] / s - 1) <= 2.0**-8
-    # A float16 scale flushes a tiny block to zero; bfloat16 keeps float32's range.
+    # A float16 scale flushes a tiny block to zero, where a bfloat16 one still holds it.
     tiny = np.full(4, 1e-7, dtype=np.float32)
     assert (round_trip(tiny, BlockFormat("int8", 4, "fp16")) == 0).all()
     assert np.allclose(round_trip(tiny, BlockFormat("int8", 4, "bf16")), tiny, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("wire", "coarse", "zero"), [("int8", 1.7e-38, 5e-39), ("int4", 1e-40, 3e-40)])
+def test_bfloat16_scales_have_a_smaller_range_than_float32(wire: str, coarse: float, zero: float) -> None:
+    """The docstring's range: a bfloat16 scale goes subnormal below ``QMAX 1.2e-38`` (coarse
+    blocks) and rounds to 0 below ``QMAX 4.6e-41`` (zero blocks); float32 scales keep them."""
+    g = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    g /= np.abs(g).max()
+
+    def error(level: float, scale: str) -> float:
+        x = (g * np.float32(level)).astype(np.float32)
+        back = round_trip(x, BlockFormat(wire, 64, scale)).astype(np.float64)
+        return float(np.linalg.norm(back - x) / np.linalg.norm(x.astype(np.float64)))
+
+    normal = error(1.0, "bf16")
+    assert error(1e-30, "bf16") < 1.25 * normal  # a normal scale: only its own rounding differs
+    assert error(zero * 0.9, "bf16") == 1.0  # the block comes back zero
+    assert error(zero * 0.9, "fp32") < 1.25 * error(1.0, "fp32")
+    if wire == "int8":
+        assert error(coarse, "bf16") > 5 * normal  # a subnormal scale of two bits
+
+
+def test_constant_blocks_carry_the_scales_rounding() -> None:
+    """All ones at N = 3: the scale 1/127 rounds in bfloat16, and every value carries it."""
+    ones = np.ones((3, 10), dtype=np.float32)
+    total = simulate_ring(ones, "int8", block_format=BlockFormat("int8", 64, "bf16")).outputs[0]
+    assert np.all(total == total[0]) and 3.007 < total[0] < 3.008
 
 
 def test_dequantize_checks_shapes() -> None:
@@ -169,7 +235,7 @@ def test_dequantize_checks_shapes() -> None:
         dequantize(codes, scales[:1], fmt, 6)
 
 
-@pytest.mark.parametrize("wire", ["int8", "fp8"])
+@pytest.mark.parametrize("wire", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("world_size", [4, 8])
 @pytest.mark.parametrize("block", [32, 256])
 def test_ring_identical_on_all_ranks_and_within_bound(wire: str, world_size: int, block: int) -> None:
@@ -205,4 +271,5 @@ def test_ring_arguments() -> None:
     assert np.array_equal(a.outputs, b.outputs)
     assert ring_error_bound(4) == ring_error_bound(4, BlockFormat())
     assert ring_error_bound(4, BlockFormat("fp8")) > ring_error_bound(4, BlockFormat("int8")) > 0
-    assert QMAX == {"int8": 127.0, "fp8": 448.0}
+    assert ring_error_bound(4, BlockFormat("int4")) > ring_error_bound(4, BlockFormat("fp8"))
+    assert QMAX == {"int8": 127.0, "fp8": 448.0, "int4": 7.0}

@@ -41,6 +41,20 @@ def test_narrow_round_trip_is_int8_at_8_bits() -> None:
     x = np.random.default_rng(0).standard_normal((2, 300)).astype(np.float32)
     assert np.array_equal(frontier.narrow_round_trip(x, 8), round_trip(x, BlockFormat("int8", 64, "bf16")))
     assert frontier.narrow_round_trip(np.zeros((1, 5), dtype=np.float32), 4).tolist() == [[0.0] * 5]
+    # at 4 bits it is the real int4 wire, which replaced it in the frontier
+    for block in frontier.INT4_BLOCKS:
+        int4 = round_trip(x, BlockFormat("int4", block, "bf16"))
+        assert np.array_equal(frontier.narrow_round_trip(x, 4, block), int4)
+    assert 4 not in frontier.NARROW_BITS
+
+
+def test_block_table_takes_the_wires() -> None:
+    rows = frontier.block_table((4,), (8, 16), ("bf16",), size=2048, seeds=1, kinds=("gaussian",), wires=("int4",))
+    assert [(r["wire"], r["block"]) for r in rows] == [("int4", 8), ("int4", 16)]
+    assert rows[0]["errors"]["gaussian"] < rows[1]["errors"]["gaussian"] < rows[1]["bound"]
+    assert rows[0]["bytes_per_value"] == 1.5 * (0.5 + 2 / 8)
+    with pytest.raises(ValueError, match="'wires'"):
+        frontier.block_table((4,), wires=("int2",))
 
 
 def test_pareto_marks() -> None:
@@ -75,7 +89,7 @@ def test_study_quick_writes_json_and_png(tmp_path: Path) -> None:
     assert {"points", "size", "seeds", "k_table", "cerar_block_format"} <= set(data)
     assert (out / "frontier.png").stat().st_size > 0
     kinds = {p["kind"] for p in data["points"]}
-    assert kinds == {"ring", "ring8", "cerar", "cerar8", "narrow"}
+    assert kinds == {"ring", "ring8", "ring4", "cerar", "cerar8", "narrow"}
     for p in data["points"]:
         assert {"label", "world_size", "bytes_per_value", "error", "on_frontier"} <= set(p)
         assert p["world_size"] == 4

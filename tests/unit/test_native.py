@@ -3,6 +3,7 @@ its build: cached, atomic, and off with a reason where it cannot be had."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import shutil
@@ -126,6 +127,29 @@ def test_empty_piece_and_refused_arguments() -> None:
         decoder.decode(torch.empty(10, 4), wide.as_strided((4, 10), (3, 1)), 1.0, torch.empty(10, 4))
     with pytest.raises(ValueError, match=r"observations.*float16"):  # not the packets it was built for
         decoder.decode(torch.empty(10, 4), wide.half(), 1.0, torch.empty(10, 4))
+
+
+def test_the_quantize_kernels_take_int4_in_even_blocks_only() -> None:
+    """The library's ABI for the block wires: wire codes 0 (int8), 1 (fp8), 2 (int4, even blocks),
+    and the packet size with int4's codes two a byte."""
+    library = native._load()
+    if library is None:
+        pytest.skip(native.status())
+    assert library.cerar_native_version() == native._VERSION
+    int4 = native.QUANT_WIRES["int4"]
+    assert native.QUANT_WIRES[torch.int8] == native.QUANT_WIRES["int8"] == 0
+    assert library.cerar_quant_supports(int4, 2, 32) == 1 and library.cerar_quant_supports(int4, 2, 33) == 0
+    assert library.cerar_quant_supports(0, 2, 33) == 1 and library.cerar_quant_supports(3, 2, 32) == 0
+    packet_bytes = library.cerar_quant_packet_bytes
+    packet_bytes.restype = ctypes.c_int64
+    packet_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    assert packet_bytes(65, 32, int4, 2) == 3 * 2 + 33 and packet_bytes(65, 32, 0, 0) == 3 * 4 + 65
+    cpu = torch.device("cpu")
+    assert native.quant_kernels("int4", "bf16", 31, torch.float32, cpu) is None
+    kernels = native.quant_kernels("int4", "bf16", 32, torch.float32, cpu)
+    assert kernels is not None
+    with pytest.raises(ValueError, match="block=32"):
+        native.QuantKernels(library, int4, 9, 32).quantize(torch.ones(4), torch.empty(8, dtype=torch.uint8))
 
 
 def test_only_float32_data_on_the_cpu_with_a_packet_it_reads() -> None:

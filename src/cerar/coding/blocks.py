@@ -1,23 +1,65 @@
-"""Block-quantized 8-bit packets: the numpy reference of the format.
+"""Block-quantized packets (8-bit int8 and float8 e4m3fn, 4-bit int4): the numpy reference of the format.
 
-A float32 vector of ``m`` values travels as ``m`` one-byte codes and one scale per block of
-``block`` values (the last block shorter; it is computed as if zero padded, and the pad is not
-sent), so a value costs ``1 + scale_itemsize / block`` bytes. Per block:
+A float32 vector of ``m`` values travels as ``m`` codes and one scale per block of ``block``
+values (the last block shorter; it is computed as if zero padded, and the pad is not sent), so a
+value costs ``code_bits / 8 + scale_itemsize / block`` bytes: ``1 + 2/64`` for int8 in blocks of
+64 with bfloat16 scales, ``0.5 + 2/block`` for int4. Per block:
 
 1. ``absmax = max |x|`` in float32;
 2. ``s = float32(absmax) / float32(QMAX)`` (a float32 division), rounded to the scale dtype with
    round-to-nearest-even (fp16 through numpy's float16, bf16 through
    :func:`cerar.coding.precision.rounder`) and kept as a float32 value;
-3. ``q = x / s`` in float32, clamped to ``[-QMAX, QMAX]``, then rounded: ``int8`` to the nearest
-   integer, ties to even (``np.rint``); ``fp8`` to the nearest float8_e4m3fn value, ties to even
-   (:func:`fp8_encode`); a block whose ``s`` is 0 or not finite gets ``q = 0``;
+3. ``q = x / s`` in float32, clamped to ``[-QMAX, QMAX]``, then rounded: ``int8`` and ``int4`` to
+   the nearest integer, ties to even (``np.rint``); ``fp8`` to the nearest float8_e4m3fn value,
+   ties to even (:func:`fp8_encode`); a block whose ``s`` is 0 or not finite gets ``q = 0``;
 4. dequantized as ``float32(q) * s`` (a float32 multiply).
+
+Codes on the wire: one byte each for int8 (two's complement) and fp8 (the e4m3fn bit pattern);
+int4 codes (``QMAX = 7``, so ``-8`` never occurs) two a byte, value ``2i`` in the low nibble and
+``2i + 1`` in the high one, each a two's complement nibble, and an odd count pads its last high
+nibble with 0 (:func:`pack_int4`). int4 blocks must hold an even number of values, so that every
+block's codes start on a whole byte and a packet is the per-block codes laid end to end: the
+compiled kernels then quantize and dequantize a block at a time, as for the 8-bit wires.
+:func:`quantize` returns int4 codes unpacked (int8 values in ``[-7, 7]``); :func:`code_bytes` gives
+the bytes that travel.
 
 A non-finite input makes its block's ``absmax`` and so its scale non-finite, and the block
 dequantizes to NaN (``0 * inf`` and ``0 * nan``): non-finite input spreads to its block, no further.
-A block of zeros has ``s = 0`` and dequantizes to zeros. With a float16 scale the format's range
-is float16's: a block whose ``absmax / QMAX`` exceeds 65504 overflows to NaN, one below about
-``6e-8 QMAX`` flushes to zero; float32 and bfloat16 scales have float32's range.
+A block of zeros has ``s = 0`` and dequantizes to zeros.
+
+**The format's own range** is the scale dtype's, shifted by ``QMAX``. A block round-trips with
+the full precision of its codes only while its scale ``absmax / QMAX`` is a normal number of the
+scale dtype; below that the scale is subnormal and has fewer significant bits (its relative
+rounding grows towards 1 and the block errs in proportion, since the clamp then cuts the largest
+values), and below half the smallest subnormal it rounds to 0 and the block comes back zero:
+
+========  ==========================  ==================================  ================================
+scale     full precision while        scale subnormal (coarse) below      block returns zeros below
+========  ==========================  ==================================  ================================
+fp32      ``absmax >= QMAX 1.2e-38``  ``QMAX 1.2e-38`` (23 bits to lose)  ``absmax < QMAX 7e-46``
+bf16      ``absmax >= QMAX 1.2e-38``  ``QMAX 1.2e-38``                    ``absmax < QMAX 4.6e-41``
+fp16      ``absmax >= QMAX 6.1e-5``   ``QMAX 6.1e-5``                     ``absmax < QMAX 3.0e-8``
+========  ==========================  ==================================  ================================
+
+(``QMAX`` is 127, 448 or 7.) So bfloat16 scales do *not* have float32's whole range. Measured
+on Gaussian blocks of 64 with bfloat16 scales, against the same blocks at absmax 1: int8's
+error is 2.5x near absmax ``1e-37``, up to 26x (15% relative) near ``1.7e-38``, and a block below
+about ``5.8e-39`` comes back zero; int4's is 1.3x near ``1e-39`` and a block below about
+``3.2e-40`` comes back zero. float16 scales flush int8 blocks below about ``3.8e-6`` and
+overflow (NaN) above ``absmax / QMAX > 65504``. The format's own range is what it is and it
+rescales nothing: the ring call pre-scales the whole tensor by a power of two, from the largest
+magnitude every rank agrees on, so that the tensor's largest block maps near 1 and
+gradient-sized blocks stay far inside the normal range.
+
+**Constant blocks are biased by the scale's rounding.** A block whose values all equal its absmax
+``a`` has ``s = round(a / QMAX)``; when the scale rounds down, ``a / s > QMAX`` is clamped to
+``QMAX`` and the block returns ``QMAX s < a``; when it rounds up, ``a / s`` rounds back to
+``QMAX`` and the block returns ``QMAX s > a``. Either way each value carries the scale's relative
+rounding, the same sign throughout the block and at every rank that sends the same values: all
+ones summed by the int8 ring over ``N = 3`` ranks with bfloat16 scales give 3.0076, not 3 (the
+int4 ring in blocks of 32: 2.9941). The
+error is within the scale dtype's unit roundoff per rounding, a property of rounding the scale,
+not of the codes.
 
 The torch and compiled kernels are tested bitwise against this module. Pure numpy.
 """
@@ -33,22 +75,31 @@ from cerar._checks import check_choice, check_int
 from cerar.coding.precision import rounder
 
 __all__ = [
+    "CODE_BITS",
+    "DEFAULT_BLOCK",
     "QMAX",
     "SCALE_DTYPES",
     "WIRES",
     "BlockFormat",
+    "code_bytes",
     "dequantize",
     "fp8_decode",
     "fp8_encode",
+    "pack_int4",
     "quantize",
     "ring_error_bound",
     "round_trip",
+    "unpack_int4",
 ]
 
-#: The 8-bit wire formats.
-WIRES: tuple[str, ...] = ("int8", "fp8")
+#: The block-quantized wire formats: 8-bit int8 and float8 e4m3fn, 4-bit int4.
+WIRES: tuple[str, ...] = ("int8", "fp8", "int4")
 #: The largest magnitude of each wire's codes: a block's absmax maps onto it.
-QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
+QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+#: Bits per code on the wire.
+CODE_BITS: dict[str, int] = {"int8": 8, "fp8": 8, "int4": 4}
+#: Each wire's default block size, chosen by measurement (:class:`BlockFormat`'s docstring).
+DEFAULT_BLOCK: dict[str, int] = {"int8": 64, "fp8": 64, "int4": 32}
 #: The dtypes a block's scale can travel in, and their bytes.
 SCALE_DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16")
 SCALE_ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -97,25 +148,43 @@ def fp8_decode(codes: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """An 8-bit block-quantized wire: ``wire`` (``"int8"`` or ``"fp8"``, float8 e4m3fn), values
-    per ``block`` (the last block of a vector may be shorter) and the ``scale`` dtype of the one
-    scale each block carries (``"fp32"``, ``"fp16"``, ``"bf16"``).
+    """A block-quantized wire: ``wire`` (``"int8"``, ``"fp8"``, float8 e4m3fn, or ``"int4"``),
+    values per ``block`` (the last block of a vector may be shorter; even for int4, whose blocks
+    must start on a whole byte; default: the wire's :data:`DEFAULT_BLOCK`) and the ``scale``
+    dtype of the one scale each block carries (``"fp32"``, ``"fp16"``, ``"bf16"``).
 
-    The defaults, int8 in blocks of 64 values with a bfloat16 scale (1.03125 bytes per value),
-    were chosen by measurement: docs/protocol.md, "8-bit wires", tabulates bytes and error of
-    every block size and scale dtype on three inputs. bfloat16 scales cost 1% more error than
-    float32 ones for half their bytes and keep float32's range (a float16 scale flushes blocks
-    whose absmax is below about ``7.6e-6`` to zero); 64 is the largest block whose ring stays
-    within 1.25x of the error of blocks of 32 with float32 scales on all three inputs.
+    The defaults were chosen by measurement: docs/protocol.md, "8-bit wires", tabulates bytes and
+    error of every block size and scale dtype on three inputs (i.i.d. Gaussian, Student-t(3),
+    per-layer-scaled).
+
+    * int8 (and fp8) in blocks of 64 with a bfloat16 scale (1.03125 bytes per value): bfloat16
+      scales cost 1% more error than float32 ones for half their bytes and a far wider range than
+      float16's (which flushes int8 blocks whose absmax is below about ``3.8e-6`` to zero); 64 is
+      the largest block whose ring stays within 1.25x of the error of blocks of 32 with float32
+      scales on all three inputs.
+    * int4 in blocks of 32 with a bfloat16 scale (0.5625 bytes per value): the largest block
+      each of whose doublings still pays on all three inputs at ``N = 4`` and 8, a doubling from
+      ``B`` paying when the error it adds is below ``2^(8/B)``, what the ``1/B`` bytes per value
+      it saves would buy as code bits (each bit halves a ring's error). 16 to 32 costs at most
+      1.25x (Student-t(3)) against 1.41x; 32 to 64 costs 1.23x and 1.20x on Student-t(3) against
+      1.19x. (Transposed as it stands, int8's rule, 1.25x of the smallest block, would pick
+      blocks of 8 at 0.75 bytes per value, giving back half of int4's saving over int8.)
     """
 
     wire: str = "int8"
-    block: int = 64
+    block: int | None = None
     scale: str = "bf16"
 
     def __post_init__(self) -> None:
         check_choice("wire", self.wire, WIRES)
+        if self.block is None:
+            object.__setattr__(self, "block", DEFAULT_BLOCK[self.wire])
         check_int("block", self.block, minimum=1)
+        if CODE_BITS[self.wire] == 4 and self.block % 2:
+            raise ValueError(
+                f"Argument 'block' must be even for the 4-bit wire {self.wire!r} (two codes a byte, every block "
+                f"starting on a whole byte), not {self.block}."
+            )
         check_choice("scale", self.scale, SCALE_DTYPES)
 
     @property
@@ -123,16 +192,61 @@ class BlockFormat:
         return QMAX[self.wire]
 
     @property
+    def code_bits(self) -> int:
+        """Bits per code on the wire: 8, or 4 for int4."""
+        return CODE_BITS[self.wire]
+
+    @property
     def bytes_per_value(self) -> float:
-        """Bytes on the wire per value: one code plus the block's scale shared by ``block`` values."""
-        return 1.0 + SCALE_ITEMSIZE[self.scale] / self.block
+        """Bytes on the wire per value: one code (a byte, or half of one) plus the block's scale
+        shared by ``block`` values."""
+        return self.code_bits / 8 + SCALE_ITEMSIZE[self.scale] / self.block
 
     def blocks(self, m: int) -> int:
         """Blocks (and so scales) of a vector of ``m`` values."""
         return -(-int(m) // self.block)
 
+    def code_bytes(self, m: int) -> int:
+        """Bytes of the codes of ``m`` values: ``m``, or ``ceil(m / 2)`` for int4."""
+        return -(-int(m) * self.code_bits // 8)
+
     def describe(self) -> str:
         return f"{self.wire} in blocks of {self.block} with {self.scale} scales ({self.bytes_per_value:.4f} B/value)"
+
+
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    """int4 codes (integers in ``[-8, 7]``, along the last axis, length ``m``) as the
+    ``ceil(m / 2)`` bytes that travel: value ``2i`` in byte ``i``'s low nibble, ``2i + 1`` in its
+    high nibble, two's complement; an odd ``m`` pads the last high nibble with 0."""
+    codes = np.asarray(codes)
+    m = codes.shape[-1]
+    nibbles = np.zeros((*codes.shape[:-1], m + m % 2), dtype=np.uint8)
+    nibbles[..., :m] = codes.astype(np.int8).view(np.uint8) & np.uint8(0x0F)
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << np.uint8(4))).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray, m: int) -> np.ndarray:
+    """The ``m`` int4 codes (int8 values in ``[-8, 7]``) of :func:`pack_int4`'s bytes."""
+    m = check_int("m", m, minimum=0)
+    packed = np.asarray(packed, dtype=np.uint8)
+    if packed.shape[-1] != -(-m // 2):
+        need = -(-m // 2)
+        raise ValueError(f"Argument 'packed' must hold ceil(m / 2) = {need} bytes for m={m}, not {packed.shape[-1]}.")
+    nibbles = np.stack([packed & np.uint8(0x0F), packed >> np.uint8(4)], axis=-1).reshape(*packed.shape[:-1], -1)
+    signed = nibbles.astype(np.int8)
+    signed = np.where(signed > 7, signed - 16, signed).astype(np.int8)
+    return signed[..., :m]
+
+
+def code_bytes(codes: np.ndarray, fmt: BlockFormat | None = None) -> np.ndarray:
+    """The bytes (uint8) that carry :func:`quantize`'s ``codes`` on the wire: the int8 codes'
+    two's complement bytes, the e4m3fn bit patterns, or int4 codes packed (:func:`pack_int4`).
+    A packet is the scales (in the scale dtype's bytes) followed by these."""
+    fmt = _as_format(fmt)
+    codes = np.asarray(codes)
+    if fmt.wire == "int4":
+        return pack_int4(codes)
+    return codes.astype(np.int8).view(np.uint8) if fmt.wire == "int8" else codes.astype(np.uint8)
 
 
 def _as_format(fmt: BlockFormat | None) -> BlockFormat:
@@ -157,9 +271,10 @@ def _padded_blocks(x: np.ndarray, fmt: BlockFormat) -> np.ndarray:
 def quantize(x: np.ndarray, fmt: BlockFormat | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Quantize float32 ``x`` along its last axis (length ``m``) to ``fmt``.
 
-    Returns ``(codes, scales)``: ``codes`` of ``x``'s shape (int8, or the uint8 bit patterns of
-    float8_e4m3fn) and ``scales`` of shape ``(..., ceil(m / block))``, float32 values that the
-    scale dtype represents exactly.
+    Returns ``(codes, scales)``: ``codes`` of ``x``'s shape (int8; for int4 the unpacked codes in
+    ``[-7, 7]``, :func:`code_bytes` packs them; or the uint8 bit patterns of float8_e4m3fn) and
+    ``scales`` of shape ``(..., ceil(m / block))``, float32 values that the scale dtype represents
+    exactly.
     """
     fmt = _as_format(fmt)
     x = np.asarray(x, dtype=np.float32)
@@ -180,7 +295,7 @@ def quantize(x: np.ndarray, fmt: BlockFormat | None = None) -> tuple[np.ndarray,
         q = np.clip(q, -qmax, qmax)
         q = np.where(usable[..., None], q, np.float32(0)).astype(np.float32)
     q = q.reshape(*x.shape[:-1], -1)[..., :m]
-    if fmt.wire == "int8":
+    if fmt.wire in ("int8", "int4"):
         codes = np.rint(q).astype(np.int8)
     else:
         codes = fp8_encode(q)
@@ -199,14 +314,15 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: BlockFormat | None, m
     scales = np.asarray(scales, dtype=np.float32)
     if scales.shape[-1] != nb:
         raise ValueError(f"Argument 'scales' must hold {nb} blocks along its last axis, not {scales.shape[-1]}.")
-    q = codes.astype(np.float32) if fmt.wire == "int8" else fp8_decode(codes)
+    q = fp8_decode(codes) if fmt.wire == "fp8" else codes.astype(np.float32)
     per_value = np.repeat(scales, fmt.block, axis=-1)[..., :m]
     with np.errstate(invalid="ignore"):
         return (q * per_value).astype(np.float32)
 
 
 def round_trip(x: np.ndarray, fmt: BlockFormat | None = None) -> np.ndarray:
-    """``dequantize(*quantize(x, fmt), fmt, m)``: what the receiver of ``x`` sees."""
+    """``dequantize(*quantize(x, fmt), fmt, m)``: what the receiver of ``x`` sees (the int4 codes'
+    packing loses nothing: they are dequantized unpacked)."""
     x = np.asarray(x, dtype=np.float32)
     codes, scales = quantize(x, fmt)
     return dequantize(codes, scales, fmt, x.shape[-1])

@@ -27,11 +27,11 @@ takes effect at the next call. ``CC`` may hold a compiler with arguments (``CC="
 split as a shell splits words. The encode is vectorised by hand (AVX2) for codes of 8, 16, 24 or
 32 components, the decode compiled for up to 32; elsewhere they return None.
 
-The same library holds the 8-bit ring's coding (:func:`quant_kernels`): the block quantization
-of :mod:`cerar.comm.kernels.quantize`'s torch ops, bit for bit (divisions, no contraction into
-fused multiply-adds), for float32 on the CPU, int8 and float8 e4m3fn wires, float32, float16 and
-bfloat16 scales: the quantize of a packet, its dequantize, and a reduce-scatter hop's
-dequantize-add-requantize in one pass over memory.
+The same library holds the block-quantized ring's coding (:func:`quant_kernels`): the block
+quantization of :mod:`cerar.comm.kernels.quantize`'s torch ops, bit for bit (divisions, no
+contraction into fused multiply-adds), for float32 on the CPU, int8, float8 e4m3fn and packed
+int4 wires, float32, float16 and bfloat16 scales: the quantize of a packet, its dequantize, and a
+reduce-scatter hop's dequantize-add-requantize in one pass over memory.
 """
 
 from __future__ import annotations
@@ -57,17 +57,19 @@ __all__ = [
 ]  # fmt: skip
 
 _SOURCE = "coding.c"
-_VERSION = 3  # cerar_native_version() of the source this module speaks to
+_VERSION = 4  # cerar_native_version() of the source this module speaks to
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
 _BUILD_TIMEOUT_S = 120
 
 #: Packet dtypes the kernel reads, by the code it takes.
 PACKET_KINDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-#: The 8-bit kernels' wires and scale types, by the codes they take.
-QUANT_WIRES: dict[torch.dtype, int] = {torch.int8: 0, torch.float8_e4m3fn: 1}
+#: The block-quantization kernels' wires, by the codes they take: by the codes' torch dtype or by
+#: the wire's name (int4 has no torch dtype in every supported torch: its codes travel packed).
+QUANT_WIRES: dict[torch.dtype | str, int] = {torch.int8: 0, torch.float8_e4m3fn: 1, "int8": 0, "fp8": 1, "int4": 2}
+#: The kernels' scale types, by the codes they take.
 QUANT_SCALES: dict[str, int] = {"fp32": 0, "fp16": 1, "bf16": 2}
 #: What the library computes, as :func:`status` names it.
-KERNELS = "kernels: CERAR's encode and decode, the 8-bit ring's quantize and dequantize-add-requantize"
+KERNELS = "kernels: CERAR's encode and decode, the block-quantized ring's quantize and dequantize-add-requantize"
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -326,7 +328,7 @@ def fused_encoder(rows: torch.Tensor, data: torch.dtype, device: torch.device) -
 
 
 class QuantKernels:
-    """The compiled 8-bit coding for one wire, scale type and block size
+    """The compiled block quantization for one wire (int8, float8 e4m3fn or int4), scale type and block size
     (:mod:`cerar.comm.kernels.quantize`'s torch ops, bit for bit). Tensors: float32 values,
     contiguous; packets contiguous uint8 views of ``packet_bytes(m)`` bytes (any alignment)."""
 
@@ -359,11 +361,12 @@ class QuantKernels:
 
 
 def quant_kernels(
-    wire: torch.dtype, scale: str, block: int, data: torch.dtype, device: torch.device
+    wire: torch.dtype | str, scale: str, block: int, data: torch.dtype, device: torch.device
 ) -> QuantKernels | None:
-    """The compiled 8-bit coding (:class:`QuantKernels`), or None where the torch ops must run:
-    not a CPU tensor, data other than float32, a wire or scale type the kernels do not take, or
-    no compiled library (:func:`status`)."""
+    """The compiled block quantization (:class:`QuantKernels`) of ``wire`` (the codes' torch
+    dtype, or the wire's name: ``"int8"``, ``"fp8"``, ``"int4"``), or None where the torch ops must
+    run: not a CPU tensor, data other than float32, a wire, scale type or block size the kernels
+    do not take (int4 blocks must be even), or no compiled library (:func:`status`)."""
     if device.type != "cpu" or data != torch.float32 or wire not in QUANT_WIRES or scale not in QUANT_SCALES:
         return None
     library = _load()

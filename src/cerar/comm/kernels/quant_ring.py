@@ -33,7 +33,6 @@ from cerar.comm.kernels.quantize import (
     dequantize_into,
     packet_bytes,
     quantize_into,
-    wire_dtype,
 )
 from cerar.comm.kernels.workspace import WORKSPACE
 from cerar.comm.ring.engine import Action, Piece, Program, run_program, segments
@@ -75,17 +74,20 @@ class TorchQuantOps:
 def quant_ops(fmt: BlockFormat, data: torch.dtype, device: torch.device) -> QuantOps:
     """The compiled kernels where they apply (float32 on the CPU, ``CERAR_NATIVE`` not 0, a
     compiler), else the torch ops."""
-    compiled = native.quant_kernels(wire_dtype(fmt), fmt.scale, fmt.block, data, device)
+    compiled = native.quant_kernels(fmt.wire, fmt.scale, fmt.block, data, device)
     return compiled if compiled is not None else TorchQuantOps(fmt)
 
 
 def quant_pieces(chunk: int, fmt: BlockFormat) -> list[tuple[int, int, int, int]]:
     """The pieces of a chunk of ``chunk`` values: ``(first value, end, packet offset, packet bytes)``,
     whole blocks each (the chunk's last block may be shorter), about 256 KiB of packet apiece
-    (:func:`cerar.comm.ring.engine.segments`), the packets ``_ALIGN``-aligned in a round's buffer."""
+    (:func:`cerar.comm.ring.engine.segments`), the packets ``_ALIGN``-aligned in a round's buffer.
+    Each piece is its own packet, its scales then its codes; an int4 block is even
+    (:class:`BlockFormat` refuses an odd one), so a piece's first value, a block's start, is a
+    whole byte into the chunk's codes and only the chunk's last piece can end on a pad nibble."""
     blocks = math.ceil(chunk / fmt.block)
     pieces, offset = [], 0
-    for first, end in segments(blocks, fmt.block + SCALE_ITEMSIZE[fmt.scale]):
+    for first, end in segments(blocks, fmt.code_bytes(fmt.block) + SCALE_ITEMSIZE[fmt.scale]):
         a, b = first * fmt.block, min(end * fmt.block, chunk)
         size = packet_bytes(b - a, fmt)
         pieces.append((a, b, offset, size))

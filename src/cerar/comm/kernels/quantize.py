@@ -1,18 +1,23 @@
-"""The 8-bit ring's block quantization as torch ops: CPU and CUDA alike, no host synchronisation.
+"""The block-quantized ring's quantization (int8, float8 e4m3fn, packed int4) as torch ops: CPU and
+CUDA alike, no host synchronisation.
 
 The format (:class:`cerar.coding.blocks.BlockFormat`, whose numpy functions are the reference these
 ops match bit for bit): values in blocks of ``fmt.block`` (the last block of a piece may
 be shorter, as if zero padded). Per block, ``absmax = max|x|`` (float32), ``s = absmax / QMAX``
-(127 for int8, 448 for float8 e4m3fn) in float32, rounded to the scale type ``fmt.scale``
+(127 for int8, 448 for float8 e4m3fn, 7 for int4) in float32, rounded to the scale type ``fmt.scale``
 (``"fp32"``, ``"fp16"`` or ``"bf16"``, to nearest even) and used as that value; codes
-``q = x / s`` (a division), clamped to ``[-QMAX, QMAX]``, rounded half to even to int8 or to
-nearest even to e4m3fn; a block whose ``s`` is 0 or not finite gets codes 0. Dequantized,
+``q = x / s`` (a division), clamped to ``[-QMAX, QMAX]``, rounded half to even to int8 and int4
+or to nearest even to e4m3fn; a block whose ``s`` is 0 or not finite gets codes 0. Dequantized,
 ``q * s``: a block with a NaN or Inf scale (a NaN or Inf among its values, or a magnitude beyond
 the scale type's range) is NaN, and an all-zero block is 0.
 
 A packet (a piece of a chunk on the wire) is one uint8 buffer: the ``nb`` scales, in the scale
-type's bytes, followed by the ``m`` codes, one byte each (e4m3fn as its bit pattern): Gloo sends
-it as bytes. :func:`packet_bytes` is its size.
+type's bytes, followed by the ``m`` codes, one byte each (e4m3fn as its bit pattern), or for int4
+two a byte (value ``2i`` in the low nibble, ``2i + 1`` in the high one, two's complement nibbles,
+an odd count's last high nibble 0; int4 blocks are even, so each block starts on a whole byte):
+Gloo sends it as bytes. :func:`packet_bytes` is its size. The int4 nibbles are packed and
+unpacked with integer tensor ops (``&``, ``|``, shifts, ``(n ^ 8) - 8`` for the sign), which run
+alike on every device.
 
 The functions here work on any device: the block arithmetic is reshaped into ``(blocks, B)``
 tensors (the short last block as a second, one-row call), and nothing reads a value back to the
@@ -29,7 +34,7 @@ import math
 
 import torch
 
-from cerar.coding.blocks import SCALE_ITEMSIZE, BlockFormat
+from cerar.coding.blocks import QMAX, SCALE_ITEMSIZE, BlockFormat
 
 __all__ = [
     "BlockFormat", "dequant_add_requant", "dequantize_add_", "dequantize_into", "packet_bytes", "qmax", "quantize_into",
@@ -37,12 +42,13 @@ __all__ = [
 ]  # fmt: skip
 
 _SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_WIRES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+#: The torch dtype of a packet's code bytes: int4 codes travel packed, two a uint8.
+_WIRES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
 
 
 def wire_dtype(fmt: BlockFormat) -> torch.dtype:
-    """The codes' torch dtype: ``torch.int8`` or ``torch.float8_e4m3fn``."""
+    """The torch dtype of the packet's code bytes: ``torch.int8``, ``torch.float8_e4m3fn``, or
+    ``torch.uint8`` for int4 (two codes a byte)."""
     dtype = _WIRES.get(fmt.wire)
     if dtype is None:
         raise ValueError(f"Argument 'wire' must be one of {sorted(_WIRES)}, not {fmt.wire!r}.")
@@ -58,13 +64,15 @@ def scale_dtype(fmt: BlockFormat) -> torch.dtype:
 
 
 def qmax(fmt: BlockFormat) -> float:
-    """The largest code's magnitude: 127 (int8) or 448 (float8 e4m3fn)."""
-    return _QMAX[wire_dtype(fmt)]
+    """The largest code's magnitude: 127 (int8), 448 (float8 e4m3fn) or 7 (int4)."""
+    wire_dtype(fmt)  # the wire's name checked
+    return QMAX[fmt.wire]
 
 
 def packet_bytes(values: int, fmt: BlockFormat) -> int:
-    """The bytes of the packet of ``values`` values: ``ceil(values / B)`` scales, then the codes."""
-    return math.ceil(values / fmt.block) * SCALE_ITEMSIZE[fmt.scale] + values
+    """The bytes of the packet of ``values`` values: ``ceil(values / B)`` scales, then the codes
+    (``values`` bytes, or ``ceil(values / 2)`` for int4)."""
+    return math.ceil(values / fmt.block) * SCALE_ITEMSIZE[fmt.scale] + fmt.code_bytes(values)
 
 
 def _parts(values: int, fmt: BlockFormat) -> list[tuple[int, int, int]]:
@@ -87,9 +95,35 @@ def _scales(packet: torch.Tensor, values: int, fmt: BlockFormat) -> torch.Tensor
 
 
 def _codes(packet: torch.Tensor, values: int, fmt: BlockFormat) -> torch.Tensor:
-    """The packet's codes, as the wire's dtype (a view)."""
+    """The packet's code bytes, as the wire's dtype (a view; int4: the packed uint8 bytes)."""
     start = math.ceil(values / fmt.block) * SCALE_ITEMSIZE[fmt.scale]
-    return packet[start : start + values].view(wire_dtype(fmt))
+    return packet[start : start + fmt.code_bytes(values)].view(wire_dtype(fmt))
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """The 1-d integral-valued float codes ``q`` (in ``[-7, 7]``) packed two a byte (uint8,
+    ``ceil(len / 2)``): the even value in the low nibble, the odd one in the high nibble, an odd
+    length padded with a 0 nibble."""
+    q = q.to(torch.int16)
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    nibbles = (q & 0x0F).view(-1, 2)
+    return (nibbles[:, 0] | (nibbles[:, 1] << 4)).to(torch.uint8)
+
+
+def _unpack_int4(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` codes of the packed uint8 bytes, as float32: each nibble ``n`` is the
+    two's complement value ``(n ^ 8) - 8``."""
+    b = packed.to(torch.int16)
+    codes = torch.stack([((b & 0x0F) ^ 8) - 8, ((b >> 4) ^ 8) - 8], dim=1).view(-1)
+    return codes[:count].float()
+
+
+def _code_values(codes: torch.Tensor, first: int, count: int, fmt: BlockFormat) -> torch.Tensor:
+    """The ``count`` codes from value ``first`` (a block's start: even for int4) as float32."""
+    if fmt.wire == "int4":
+        return _unpack_int4(codes[first // 2 : first // 2 + (count + 1) // 2], count)
+    return codes[first : first + count].float()
 
 
 def _limit(fmt: BlockFormat, device: torch.device) -> torch.Tensor:
@@ -104,7 +138,7 @@ def quantize_into(x: torch.Tensor, packet: torch.Tensor, fmt: BlockFormat) -> No
     dtype = scale_dtype(fmt)
     size = SCALE_ITEMSIZE[fmt.scale]
     scales = torch.empty(nb, dtype=dtype, device=x.device)
-    codes = packet[nb * size : nb * size + m]
+    codes = packet[nb * size : nb * size + fmt.code_bytes(m)]
     limit, top = _limit(fmt, x.device), qmax(fmt)
     wire = wire_dtype(fmt)
     for first, blocks, width in _parts(m, fmt):
@@ -117,9 +151,12 @@ def quantize_into(x: torch.Tensor, packet: torch.Tensor, fmt: BlockFormat) -> No
         valid = (torch.isfinite(s) & (s != 0)).unsqueeze(1)
         q = torch.div(rows, s.unsqueeze(1)).clamp_(-top, top)
         q = torch.where(valid, q, torch.zeros((), dtype=q.dtype, device=q.device))
-        if wire == torch.int8:
+        if wire != torch.float8_e4m3fn:
             q = q.round_()
-        codes[first : first + blocks * width].copy_(q.to(wire).view(torch.uint8).view(-1))
+        if fmt.wire == "int4":  # whole blocks are even: this part's codes start on a whole byte
+            codes[first // 2 : first // 2 + (blocks * width + 1) // 2].copy_(_pack_int4(q.view(-1)))
+        else:
+            codes[first : first + blocks * width].copy_(q.to(wire).view(torch.uint8).view(-1))
     packet[: nb * size].copy_(scales.view(torch.uint8))
 
 
@@ -129,7 +166,7 @@ def _dequantize(packet: torch.Tensor, values: int, fmt: BlockFormat) -> list[tup
     parts = []
     for first, blocks, width in _parts(values, fmt):
         b = first // fmt.block
-        q = codes[first : first + blocks * width].view(blocks, width).float()
+        q = _code_values(codes, first, blocks * width, fmt).view(blocks, width)
         parts.append((first, blocks * width, q * scales[b : b + blocks].unsqueeze(1)))
     return parts
 

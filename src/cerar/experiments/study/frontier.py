@@ -3,15 +3,17 @@
 Three measurements, all from the project's simulators on float32 inputs (worst-rank relative
 error, median over seeds):
 
-* :func:`block_table`: the block-quantized 8-bit ring (:func:`cerar.protocol.simulate_ring`) at
+* :func:`block_table`: the block-quantized rings (:func:`cerar.protocol.simulate_ring`) at
   every block size and scale dtype on three inputs (i.i.d. Gaussian, Student-t(3), and
-  per-layer-scaled), the table the default :class:`cerar.coding.blocks.BlockFormat` was chosen from;
+  per-layer-scaled), the table each wire's default :class:`cerar.coding.blocks.BlockFormat` block
+  was chosen from (the 8-bit wires by default, int4 with ``wires=("int4",), blocks=INT4_BLOCKS``);
 * :func:`frontier_study`: for each ``N``, the rings (float32, float16, bfloat16, int8 and e4m3 at
-  each block size) and CERAR at ``c = N+1, 3N/2, 2N, 3N`` with float32/float16/bfloat16 packets and
-  over 8-bit packets, as points (bytes per value, error) with the Pareto frontier marked;
-  beside them, as references outside the frontier, hypothetical rings of packed 4-7-bit integer
-  codes (the int8 format with a smaller ``QMAX``; cerar has no such wire) to judge CERAR's 8-bit
-  points by what a narrower ring would give;
+  each block size, int4 at each of :data:`INT4_BLOCKS`) and CERAR at ``c = N+1, 3N/2, 2N, 3N``
+  with float32/float16/bfloat16 packets and over 8-bit packets, as points (bytes per value,
+  error) with the Pareto frontier marked; beside them, as references outside the frontier,
+  hypothetical rings of packed 5-7-bit integer codes (the int8 format with a smaller ``QMAX``;
+  cerar has no such wire) to judge CERAR's 8-bit points by what a narrower ring would give (the
+  4-bit one is the real int4 wire, :func:`narrow_round_trip` at 4 bits being its round trip);
 * :func:`k_table`: CERAR's error decomposed as ``sqrt(wrap^2 + (A delta)^2)``: the code's
   exact-arithmetic error ``wrap`` (float64 packets), the decode's amplification ``A`` of the
   packets' rms relative rounding ``delta``, and ``K = wrap A``, whence ``error >= sqrt(2 K delta)``.
@@ -49,21 +51,27 @@ __all__ = [
     "plot_frontier",
 ]
 
-#: The block sizes measured.
+#: The block sizes measured for the 8-bit wires.
 BLOCKS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+#: The block sizes measured for the 4-bit wire (``block_table(wires=("int4",), blocks=INT4_BLOCKS)``):
+#: its rounding is 18x coarser than int8's, so smaller blocks earn their scales' bytes.
+INT4_BLOCKS: tuple[int, ...] = (8, 16, 32, 64, 128)
+#: The 8-bit wires: the block table's default wires and CERAR's coarse packets in the frontier.
+EIGHT_BIT_WIRES: tuple[str, ...] = ("int8", "fp8")
 #: The inputs of the block table.
 INPUTS: tuple[str, ...] = ("gaussian", "student-t3", "layers")
 #: The float packet and ring precisions of the frontier.
 FLOATS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 #: Spacings tried for the spread-seam perturbed code over 8-bit packets.
 DELTAS: tuple[float, ...] = (0.04, 0.07, 0.115, 0.19, 0.3)
-#: Bits of the hypothetical packed integer rings (references only).
-NARROW_BITS: tuple[int, ...] = (4, 5, 6, 7)
+#: Bits of the hypothetical packed integer rings (references only; 4 bits is the real int4 wire).
+NARROW_BITS: tuple[int, ...] = (5, 6, 7)
 
 
 def narrow_round_trip(x: np.ndarray, bits: int, block: int = 64) -> np.ndarray:
     """The int8 format's round trip (bfloat16 scales) with ``QMAX = 2^(bits-1) - 1``: a packed
-    ``bits``-bit integer wire, which cerar does not have; for reference points only."""
+    ``bits``-bit integer wire, which cerar has for 4 bits only (int4, the same values) and not
+    for 5-7; for reference points only."""
     fmt = BlockFormat("int8", block, "bf16")
     qmax = np.float32(2 ** (bits - 1) - 1)
     m = x.shape[-1]
@@ -118,13 +126,19 @@ def block_table(
     size: int = 1 << 20,
     seeds: int = 3,
     kinds: Sequence[str] = INPUTS,
+    wires: Sequence[str] = EIGHT_BIT_WIRES,
 ) -> list[dict[str, Any]]:
-    """Bytes per value and worst-rank relative error (median over ``seeds``) of the 8-bit rings at
-    every wire, block size and scale dtype, on every input kind, with the predicted bound."""
+    """Bytes per value and worst-rank relative error (median over ``seeds``) of the block-quantized
+    rings at every wire of ``wires``, block size and scale dtype, on every input kind, with the
+    predicted bound. The 8-bit wires by default (the table int8's default block came from);
+    ``wires=("int4",), blocks=INT4_BLOCKS`` gives the table int4's came from."""
+    for wire in wires:
+        if wire not in WIRES:
+            raise ValueError(f"Argument 'wires' must hold wires of {WIRES}, not {wire!r}.")
     rows = []
     for n in world_sizes:
         data = {kind: [inputs(kind, n, size, seed) for seed in range(seeds)] for kind in kinds}
-        for wire in WIRES:
+        for wire in wires:
             for scale in scales:
                 for block in blocks:
                     fmt = BlockFormat(wire, block, scale)
@@ -171,10 +185,13 @@ def frontier_study(
     blocks: Sequence[int] = BLOCKS,
     block_scales: Sequence[str] = ("fp32", "bf16"),
     cerar_format: BlockFormat | None = None,
+    int4_blocks: Sequence[int] = INT4_BLOCKS,
 ) -> dict[str, Any]:
     """Bytes per value against worst-rank error on i.i.d. Gaussian float32 inputs of ``size``
     values per rank (median over ``seeds``) for every ring and CERAR design (see the module doc),
-    the Pareto frontier marked (``on_frontier``), and :func:`k_table` for the same ``N``.
+    the Pareto frontier marked (``on_frontier``), and :func:`k_table` for the same ``N``. The 8-bit
+    rings run at ``blocks``, the int4 ring at ``int4_blocks`` (its coarser codes favour smaller
+    blocks).
 
     The 8-bit CERAR designs are tuned on a separate seed (the best of :func:`cerar_8bit_designs`
     per ``c`` and wire), then measured on the same inputs as the rest."""
@@ -188,10 +205,11 @@ def frontier_study(
                                  [simulate_ring(x, wire).worst_relative_error for x in xs], wire=wire))
         for wire in WIRES:
             for scale in block_scales:
-                for block in blocks:
+                for block in blocks if wire in EIGHT_BIT_WIRES else int4_blocks:
                     fmt = BlockFormat(wire, block, scale)
                     errors = [simulate_ring(x, wire, block_format=fmt).worst_relative_error for x in xs]
-                    points.append(_point("ring8", f"ring {wire} B={block} {scale}", n,
+                    kind = "ring8" if wire in EIGHT_BIT_WIRES else "ring4"
+                    points.append(_point(kind, f"ring {wire} B={block} {scale}", n,
                                          ring_bytes_per_value(n, wire, fmt), errors, wire=wire, block=block,
                                          scale=scale, bound=ring_error_bound(n, fmt)))  # fmt: skip
         for bits in NARROW_BITS:
@@ -205,7 +223,7 @@ def frontier_study(
                 points.append(_point("cerar", f"CERAR c={c} {precision}", n, ITEMSIZE[precision] * code.comm_rate,
                                      [simulate(code, x, precision).worst_relative_error for x in xs],
                                      components=c, packet=precision, design="optimized"))  # fmt: skip
-            for wire in WIRES:
+            for wire in EIGHT_BIT_WIRES:
                 designs = cerar_8bit_designs(n, c)
                 tuned = {name: simulate(code, tune, wire, block_format=fmt8).worst_relative_error
                          for name, code in designs.items()}  # fmt: skip
@@ -300,10 +318,11 @@ def plot_frontier(study: dict[str, Any], path: Path) -> None:
     plt = pyplot("bench", needed_by="cerar study --frontier")
     world_sizes = sorted({p["world_size"] for p in study["points"]})
     fig, axes = plt.subplots(1, len(world_sizes), figsize=(5.5 * len(world_sizes), 4.6), squeeze=False)
-    styles = {"ring": ("s", "black"), "ring8": ("o", "tab:blue"), "cerar": ("^", "tab:orange"),
-              "cerar8": ("D", "tab:red"), "narrow": ("x", "grey")}  # fmt: skip
-    names = {"ring": "ring fp32/fp16/bf16", "ring8": "ring int8/e4m3 (blocks)", "cerar": "CERAR fp32/fp16/bf16",
-             "cerar8": "CERAR int8/e4m3 packets", "narrow": "ring int4-int7 (hypothetical)"}  # fmt: skip
+    styles = {"ring": ("s", "black"), "ring8": ("o", "tab:blue"), "ring4": ("v", "tab:green"),
+              "cerar": ("^", "tab:orange"), "cerar8": ("D", "tab:red"), "narrow": ("x", "grey")}  # fmt: skip
+    names = {"ring": "ring fp32/fp16/bf16", "ring8": "ring int8/e4m3 (blocks)", "ring4": "ring int4 (blocks)",
+             "cerar": "CERAR fp32/fp16/bf16", "cerar8": "CERAR int8/e4m3 packets",
+             "narrow": "ring int5-int7 (hypothetical)"}  # fmt: skip
     for ax, n in zip(axes[0], world_sizes, strict=True):
         mine = [p for p in study["points"] if p["world_size"] == n]
         for kind, (marker, color) in styles.items():

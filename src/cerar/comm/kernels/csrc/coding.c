@@ -403,19 +403,22 @@ int cerar_fused_decode(int64_t w, int64_t c, const float *x, const void *obs, in
 }
 
 /* The build's ABI version: native.py refuses a library whose version it does not know. */
-int cerar_native_version(void) { return 3; }
+int cerar_native_version(void) { return 4; }
 
-/* ---- block-quantized 8-bit packets ------------------------------------------------------- */
+/* ---- block-quantized packets: int8, float8 e4m3fn, packed int4 ----------------------------- */
 
-/* The 8-bit ring's coding (cerar/comm/kernels/quantize.py holds the torch ops these match bit for
-   bit; cerar/coding/blocks.py the format). Values in blocks of `block` (the last one of a piece
-   may be shorter). Per block: absmax = max |x|, s = absmax / QMAX (127 for int8, 448 for
-   float8 e4m3fn) rounded to the scale's type (float32, float16 or bfloat16, to nearest even)
-   and used as that value; codes q = x / s (a division, as torch's), clamped to [-QMAX, QMAX],
-   then rounded half to even to int8, or to nearest even to e4m3fn. A block whose s is 0 or not
-   finite gets codes 0 (its dequantized values are then 0, or NaN for a NaN/Inf scale). A packet
-   is the nb scales (in the scale's type, little-endian as the machine's) followed by the m
-   codes, byte-aligned only: scales are read and written with memcpy.
+/* The block-quantized ring's coding (cerar/comm/kernels/quantize.py holds the torch ops these
+   match bit for bit; cerar/coding/blocks.py the format). Values in blocks of `block` (the last
+   one of a piece may be shorter). Per block: absmax = max |x|, s = absmax / QMAX (127 for int8,
+   448 for float8 e4m3fn, 7 for int4) rounded to the scale's type (float32, float16 or bfloat16,
+   to nearest even) and used as that value; codes q = x / s (a division, as torch's), clamped to
+   [-QMAX, QMAX], then rounded half to even to int8 and int4, or to nearest even to e4m3fn. A
+   block whose s is 0 or not finite gets codes 0 (its dequantized values are then 0, or NaN for
+   a NaN/Inf scale). A packet is the nb scales (in the scale's type, little-endian as the
+   machine's) followed by the m codes, one byte each, or for int4 two a byte (value 2i in the
+   low nibble, 2i + 1 in the high one, two's complement nibbles, an odd count's last high nibble
+   0), byte-aligned only: scales are read and written with memcpy. int4 blocks are even, so
+   every block's codes start on a whole byte, at value a's byte a / 2.
 
    cerar_quantize: packet = quantize(x). cerar_dequantize: out = dequantize(packet), or out +=
    it. cerar_dequant_add_requant, a reduce-scatter hop: own += dequantize(arrived) (float32),
@@ -430,7 +433,7 @@ int cerar_native_version(void) { return 3; }
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-enum { WIRE_INT8 = 0, WIRE_FP8_E4M3 = 1 };
+enum { WIRE_INT8 = 0, WIRE_FP8_E4M3 = 1, WIRE_INT4 = 2 };
 enum { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_BF16 = 2 };
 
 static inline uint32_t float_bits(float f) {
@@ -491,6 +494,12 @@ static inline float fp8_to_float(uint8_t code) {
 
 static inline int64_t scale_size(int32_t kind) { return kind == SCALE_F32 ? 4 : 2; }
 
+static inline float wire_qmax(int32_t wire) { return wire == WIRE_INT8 ? 127.0f : wire == WIRE_INT4 ? 7.0f : 448.0f; }
+
+/* The bytes of m codes, and the byte where value a's code starts (a block's start: even for int4). */
+static inline int64_t code_bytes(int32_t wire, int64_t m) { return wire == WIRE_INT4 ? (m + 1) / 2 : m; }
+static inline int64_t code_at(int32_t wire, int64_t a) { return wire == WIRE_INT4 ? a / 2 : a; }
+
 /* The scale of a block of largest magnitude bits `top` (|x|'s bits: NaN above 0x7f800000), as
    the value used, stored at `at` in the scale's type. */
 static inline float put_scale(uint32_t top, float qmax, int32_t kind, uint8_t *at) {
@@ -533,10 +542,25 @@ static inline uint32_t block_top(const float *x, int64_t w) {
     return top;
 }
 
+/* An int4 code (x / s clamped to [-7, 7], rounded half to even) as its two's complement nibble. */
+static inline uint32_t int4_nibble(float x, float s) {
+    float q = x / s;
+    q = q < -7.0f ? -7.0f : q;
+    q = q > 7.0f ? 7.0f : q;
+    return (uint32_t)(int32_t)__builtin_rintf(q) & 15u; /* the current mode: to nearest even */
+}
+
+/* A nibble's value: the two's complement (n ^ 8) - 8. */
+static inline float int4_value(uint32_t nibble) { return (float)((int32_t)(nibble ^ 8u) - 8); }
+
 /* One block's codes at scale s (0 < s < inf, else all codes 0). */
 static inline void codes_of(const float *x, int64_t w, int32_t wire, float s, float qmax, uint8_t *codes) {
     if (!(s > 0.0f && s <= 0x1.fffffep+127f)) {
-        memset(codes, 0, (size_t)w);
+        memset(codes, 0, (size_t)code_bytes(wire, w));
+    } else if (wire == WIRE_INT4) {
+        const int64_t pairs = w / 2;
+        for (int64_t j = 0; j < pairs; ++j) codes[j] = (uint8_t)(int4_nibble(x[2 * j], s) | int4_nibble(x[2 * j + 1], s) << 4);
+        if (w & 1) codes[pairs] = (uint8_t)int4_nibble(x[w - 1], s); /* the pad nibble is 0 */
     } else if (wire == WIRE_INT8) {
         for (int64_t j = 0; j < w; ++j) {
             float q = x[j] / s;
@@ -555,20 +579,39 @@ static inline void codes_of(const float *x, int64_t w, int32_t wire, float s, fl
 }
 
 static inline void quantize_blocks(int64_t m, int64_t block, int32_t wire, int32_t kind, const float *x, uint8_t *packet) {
-    const float qmax = wire == WIRE_INT8 ? 127.0f : 448.0f;
+    const float qmax = wire_qmax(wire);
     const int64_t nb = (m + block - 1) / block;
     uint8_t *codes = packet + nb * scale_size(kind);
     for (int64_t i = 0; i < nb; ++i) {
         const int64_t a = i * block, w = m - a < block ? m - a : block;
         const float s = put_scale(block_top(x + a, w), qmax, kind, packet + i * scale_size(kind));
-        codes_of(x + a, w, wire, s, qmax, codes + a);
+        codes_of(x + a, w, wire, s, qmax, codes + code_at(wire, a));
     }
 }
 
 /* out = q * s, or out += q * s (the product rounded first). */
 static inline void dequantize_block(const uint8_t *codes, int64_t w, int32_t wire, float s, float *out,
                                     int accumulate) {
-    if (wire == WIRE_INT8) {
+    if (wire == WIRE_INT4) {
+        const int64_t pairs = w / 2;
+        if (accumulate) {
+            for (int64_t j = 0; j < pairs; ++j) {
+                const float lo = int4_value(codes[j] & 15u) * s, hi = int4_value((uint32_t)codes[j] >> 4) * s;
+                out[2 * j] = out[2 * j] + lo;
+                out[2 * j + 1] = out[2 * j + 1] + hi;
+            }
+            if (w & 1) {
+                const float p = int4_value(codes[pairs] & 15u) * s;
+                out[w - 1] = out[w - 1] + p;
+            }
+        } else {
+            for (int64_t j = 0; j < pairs; ++j) {
+                out[2 * j] = int4_value(codes[j] & 15u) * s;
+                out[2 * j + 1] = int4_value((uint32_t)codes[j] >> 4) * s;
+            }
+            if (w & 1) out[w - 1] = int4_value(codes[pairs] & 15u) * s;
+        }
+    } else if (wire == WIRE_INT8) {
         if (accumulate) {
             for (int64_t j = 0; j < w; ++j) {
                 const float p = (float)(int8_t)codes[j] * s;
@@ -587,15 +630,15 @@ static inline void dequantize_block(const uint8_t *codes, int64_t w, int32_t wir
     }
 }
 
-/* Whether the kernels below take this wire, scale type and block size. */
+/* Whether the kernels below take this wire, scale type and block size (even for int4). */
 int cerar_quant_supports(int32_t wire, int32_t kind, int64_t block) {
-    return (wire == WIRE_INT8 || wire == WIRE_FP8_E4M3) && (kind == SCALE_F32 || kind == SCALE_F16 || kind == SCALE_BF16)
-        && block >= 1;
+    return (wire == WIRE_INT8 || wire == WIRE_FP8_E4M3 || (wire == WIRE_INT4 && block % 2 == 0))
+        && (kind == SCALE_F32 || kind == SCALE_F16 || kind == SCALE_BF16) && block >= 1;
 }
 
 /* The bytes of the packet of m values. */
-int64_t cerar_quant_packet_bytes(int64_t m, int64_t block, int32_t kind) {
-    return (m + block - 1) / block * scale_size(kind) + m;
+int64_t cerar_quant_packet_bytes(int64_t m, int64_t block, int32_t wire, int32_t kind) {
+    return (m + block - 1) / block * scale_size(kind) + code_bytes(wire, m);
 }
 
 /* Each returns 0, or -1 for arguments the kernels do not take (the caller then uses torch ops). */
@@ -612,7 +655,7 @@ int cerar_dequantize(int64_t m, int64_t block, int32_t wire, int32_t kind, const
     const uint8_t *codes = packet + nb * scale_size(kind);
     for (int64_t i = 0; i < nb; ++i) {
         const int64_t a = i * block, w = m - a < block ? m - a : block;
-        dequantize_block(codes + a, w, wire, get_scale(packet, i, kind), out + a, accumulate);
+        dequantize_block(codes + code_at(wire, a), w, wire, get_scale(packet, i, kind), out + a, accumulate);
     }
     return 0;
 }
@@ -620,16 +663,17 @@ int cerar_dequantize(int64_t m, int64_t block, int32_t wire, int32_t kind, const
 int cerar_dequant_add_requant(int64_t m, int64_t block, int32_t wire, int32_t kind, float *own,
                               const uint8_t *arrived, uint8_t *out, int32_t keep) {
     if (m < 0 || !cerar_quant_supports(wire, kind, block)) return -1;
-    const float qmax = wire == WIRE_INT8 ? 127.0f : 448.0f;
+    const float qmax = wire_qmax(wire);
     const int64_t nb = (m + block - 1) / block, size = scale_size(kind);
     const uint8_t *codes_in = arrived + nb * size;
     uint8_t *codes_out = out + nb * size;
     for (int64_t i = 0; i < nb; ++i) { /* a block at a time, while it is in the cache */
         const int64_t a = i * block, w = m - a < block ? m - a : block;
-        dequantize_block(codes_in + a, w, wire, get_scale(arrived, i, kind), own + a, 1);
+        const int64_t at = code_at(wire, a);
+        dequantize_block(codes_in + at, w, wire, get_scale(arrived, i, kind), own + a, 1);
         const float s = put_scale(block_top(own + a, w), qmax, kind, out + i * size);
-        codes_of(own + a, w, wire, s, qmax, codes_out + a);
-        if (keep) dequantize_block(codes_out + a, w, wire, s, own + a, 0);
+        codes_of(own + a, w, wire, s, qmax, codes_out + at);
+        if (keep) dequantize_block(codes_out + at, w, wire, s, own + a, 0);
     }
     return 0;
 }
