@@ -9,11 +9,11 @@ Defined in :mod:`cerar.comm.group`; this module re-exports their public names an
 
 from cerar.comm.group.create import BACKEND, monitored_barrier, new_group, register_backend
 from cerar.comm.group.hsdp import HSDPGroups, all_reduce_hook, hsdp_groups, set_all_reduce_hook
-from cerar.comm.group.process_group import METHODS, CerarProcessGroup, GroupSettings, RouteStats, exact
+from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings, RouteStats, exact
 
 __all__ = [
     "BACKEND",
-    "METHODS",
+
     "CerarProcessGroup",
     "GroupSettings",
     "HSDPGroups",

@@ -247,10 +247,10 @@ def _fresh_scales(rank: int, world_size: int) -> dict[str, Any]:
     fresh: list[bool] = []  # per 16-bit CERAR call, whether it took a fresh scale
     cerar_call = routes.cerar_call
 
-    def recording(*args: Any) -> Any:  # (tensor, op, ring, code, nonfinite, stats, packet, fresh, context)
-        if args[6] is not None:
-            fresh.append(bool(args[7]))
-        return cerar_call(*args)
+    def recording(request: Any, *args: Any, **kwargs: Any) -> Any:
+        if request.packet_dtype is not None:
+            fresh.append(bool(request.fresh_scale))
+        return cerar_call(request, *args, **kwargs)
 
     routes.cerar_call = recording
     config = AutoConfig(trials=2, pins="0,-,cerar,fp16,-")  # 16-bit CERAR only, after the warm-up

@@ -95,7 +95,7 @@ def test_fresh_scale_is_checked_and_left_to_auto() -> None:
     _no_group()
     with pytest.raises(TypeError, match=r"^Argument 'fresh_scale' must be a bool, not 'yes'"):
         cerar.all_reduce(torch.ones(3), fresh_scale="yes")
-    with pytest.raises(ValueError, match=r"'fresh_scale' must be left at their defaults with method='auto'"):
+    with pytest.raises(ValueError, match=r"Argument 'fresh_scale' applies to CERAR's rows, not to method 'auto'"):
         cerar.all_reduce(torch.ones(3), method="auto", fresh_scale=True)
 
 

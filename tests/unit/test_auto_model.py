@@ -39,7 +39,8 @@ def test_candidates_by_budget() -> None:
         1e-5: ["exact"], 1e-3: ["exact", "fp16", "cerar"], 2e-2: ["exact", "fp16", "int8", "cerar", "cerar-fp16"],
     }  # fmt: skip
     admitted, refused = build_candidates(4, 1e-3)
-    assert [c.label for c in refused] == ["int8", "cerar-fp16 c=8"] and admitted[2].components == 8
+    # 16-bit CERAR within 1e-3 takes the exact code (the one rule, code_within): no candidate.
+    assert [c.label for c in refused] == ["int8"] and admitted[2].components == 8
     assert all(c.predicted_error <= 1e-3 for c in admitted) and refused[0].predicted_error > 1e-3
     assert [c.name for c in build_candidates(2, None)[0]] == ["exact", "fp16", "int8"]  # N = 2: CERAR is the ring
     with pytest.raises(ValueError, match="Argument 'candidates'"):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cerar.coding.blocks import QMAX, BlockFormat
 from cerar.coding.code import Code
 from cerar.coding.precision import precision_name
 
@@ -42,6 +43,7 @@ __all__ = [
     "FORMATS",
     "FloatFormat",
     "ScaleWindow",
+    "block_scale_exponent",
     "packet_gain",
     "ring_needs_scale",
     "ring_scale_exponent",
@@ -222,6 +224,26 @@ def ring_needs_scale(data: object, wire: object) -> bool:
     own format (a cast to bfloat16 flushes float32's subnormals to zero, and float64 data leaves
     float32's range), so such a call first finds its largest magnitude (one pass)."""
     return precision_name(wire, "wire_dtype") != precision_name(data, "data")
+
+
+def block_scale_exponent(world_size: int, max_abs: float, fmt: BlockFormat) -> int:
+    """``e`` such that a block-quantized ring (:class:`cerar.coding.blocks.BlockFormat`), dividing
+    by ``2**e``, keeps its float32 partial sums of ``world_size`` values up to ``max_abs`` out of
+    float32's overflow and the scale of a block as large as ``max_abs`` (``max_abs / QMAX``) out of
+    its scale dtype's overflow and at least 30% of its exponent range above its subnormals: 0 for
+    every input whose range allows it (the usual gradient, whose result is then bitwise what an
+    unscaled ring gives), else the exponent closest to 0 that does. float64 data beyond float32's
+    range, float32 sums that would overflow at one element (which then come back infinite at
+    that element only, as torch's sum does) and tensors whose largest block's scale would be
+    subnormal get one. 0 for 0 or non-finite ``max_abs``."""
+    if not math.isfinite(max_abs) or max_abs <= 0:
+        return 0
+    scale = FORMATS[fmt.scale]
+    level = math.log2(max_abs)  # of the largest value; its block's scale sits log2(QMAX) lower
+    sums = math.log2(world_size) + level
+    top = min(FORMATS["fp32"].top - _HEADROOM - sums + level, scale.top - _HEADROOM + math.log2(QMAX[fmt.wire]))
+    bottom = scale.tiny + max(24, math.floor(0.3 * scale.span)) + math.log2(QMAX[fmt.wire])
+    return min(max(0, math.ceil(level - top)), math.floor(level - bottom))
 
 
 FLOAT16_RING_LEVEL = 14  # the float16 ring's partial sums stay below 2**14, far from 65504

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cerar.coding.code import Code
 from cerar.comm.collective.call import NonFiniteError
-from cerar.comm.collective.codes import default_code
-from cerar.comm.collective.routes import Request, Route, get_route
+from cerar.comm.collective.codes import code_within, default_code
+from cerar.comm.collective.routes import Route, get_route, start
 from cerar.comm.ring.maxima import max_abs
 from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.work import Work
@@ -92,8 +92,8 @@ class Candidate:
         call left may no longer fit (every rank switches at the same call)."""
         fresh = fresh and self.route.wire is not None
         options: dict[str, Any] = {"code": self.code, "fresh_scale": fresh} if self.route.coded else {}
-        request = Request(tensor, op, group, True, nonfinite=nonfinite, max_error=None, stats=stats, context=context)
-        work = self.route.start(self.route, replace(request, **options))
+        options.update(nonfinite=nonfinite, max_error=None, stats=stats, context=context)
+        work = start(self.route, tensor, op, group, True, **options)
         assert work is not None  # a member of the group: checked by the caller
         return work
 
@@ -168,10 +168,7 @@ def _code(n: int, wire: str, limit: float | None, fast_codes: bool) -> Code:
 
     if fast_codes:
         return codes.perturbed(n, 2 * n, None, wire, max_error=None)
-    if wire == "fp32":  # the library's default code, or a more accurate one where the budget asks
-        default = default_code(n, "fp32")
-        if limit is None or default.predicted_worst_error("fp32") <= limit:
-            return default
-        return codes.choose(n, "fp32", limit)
-    # The default 16-bit code (default_code's), built whatever its error: the budget refuses it.
-    return codes.optimized(n, 2 * n, wire, max_error=None)
+    try:  # the one rule every call takes (cerar.comm.collective.codes.code_within)
+        return code_within(n, wire, limit)
+    except ValueError:  # none within the budget: the default, which the budget then refuses
+        return default_code(n, wire)

@@ -24,7 +24,7 @@ from cerar.coding.code import MAX_ERROR
 from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.side import SideGroup
 from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
-from cerar.comm.collective.routes import Request, Route, register_route, start
+from cerar.comm.collective.routes import Call, Route, register_route, start
 from cerar.comm.ring.groups import ring_of
 from cerar.comm.ring.handshake import SettingsMismatchError
 from cerar.comm.ring.stats import CommStats
@@ -79,12 +79,13 @@ def auto_all_reduce(
     return start(route, tensor, op, group, async_op, max_error=max_error, nonfinite=nonfinite, stats=stats)
 
 
-def _start_auto(route: Route, r: Request, config: AutoConfig | None = None) -> Work | None:
+def _start_auto(route: Route, c: Call, config: AutoConfig | None = None) -> Work | None:
     """One call by its stream's tournament (the route's start; the arguments checked)."""
     config = AutoConfig() if config is None else config
-    ring = ring_of(r.group)  # refuses an uninitialised torch.distributed
+    ring = ring_of(c.group)  # refuses an uninitialised torch.distributed
     if ring is None:
         return None
+    r = c.resolve(route, ring.size)
     shared, tensor = _group_auto(r.group), r.tensor
     key = (tensor.numel(), str(tensor.dtype), r.op, r.max_error, r.nonfinite, config)
     stream = _stream(shared, key, tensor.numel() * tensor.element_size(), ring.size, r.max_error, config)

@@ -90,7 +90,7 @@ class AutoState(CerarState):
     """
 
     __slots__ = (
-        "_in_pass", "_last", "_run", "_step_end", "auto", "candidates", "max_error", "side", "torch_bytes",
+        "_in_pass", "_last", "_run", "_step_end", "auto", "candidates", "side", "torch_bytes",
         "tournament",
     )  # fmt: skip
     _NOT_PICKLED = (

@@ -141,20 +141,8 @@ def all_reduce(
     rounds, and a call whose data left the range of the scale it started with (the previous
     call's of its size) is redone at one that fits, the same on every rank (``stats.rescales``).
     """
-    route = get_route(method)
-    chosen = code is not None or packet_dtype is not None or fresh_scale is not False
-    if chosen and route.method == "auto":
-        raise ValueError(
-            f"Arguments 'code', 'packet_dtype' and 'fresh_scale' must be left at their defaults with "
-            f"method={method!r} (it chooses them), not {code!r}, {packet_dtype!r}, {fresh_scale!r}."
-        )
-    if chosen and not route.coded:
-        raise ValueError(
-            f"Arguments 'code', 'packet_dtype' and 'fresh_scale' apply to CERAR's rows, not to method={method!r} "
-            f"(not {code!r}, {packet_dtype!r}, {fresh_scale!r})."
-        )
-    options = {"code": code, "packet_dtype": packet_dtype, "fresh_scale": fresh_scale} if route.coded else {}
-    return start(route, tensor, op, group, async_op, nonfinite=nonfinite, max_error=max_error, stats=stats, **options)
+    options = {"code": code, "packet_dtype": packet_dtype, "fresh_scale": fresh_scale}
+    return start(method, tensor, op, group, async_op, nonfinite=nonfinite, max_error=max_error, stats=stats, **options)
 
 
 def ring_all_reduce(

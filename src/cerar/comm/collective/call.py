@@ -23,19 +23,20 @@ from typing import Any
 import torch
 
 from cerar.coding.code import Code
-from cerar.coding.scaling import ring_needs_scale, ring_scale_exponent
-from cerar.comm.collective.codes import resolve_code
+from cerar.comm.collective.request import Request
 from cerar.comm.kernels import native
 from cerar.comm.kernels.cerar_run import CerarRun
+from cerar.comm.kernels.decode import scale_by_power_of_two
 from cerar.comm.kernels.ring_run import run_ring
 from cerar.comm.kernels.scale import PacketScale
+from cerar.comm.kernels.wires import WIRES
 from cerar.comm.ring.groups import count_call, group_state
-from cerar.comm.ring.handshake import Proposal, Summary, handshake, open_handshake, settings_hash
+from cerar.comm.ring.handshake import NO_PROPOSAL, Proposal, Summary, handshake, open_handshake, settings_hash
 from cerar.comm.ring.links import Ring
 from cerar.comm.ring.maxima import max_abs
 from cerar.comm.ring.stats import CommStats
 
-__all__ = ["NonFiniteError", "Working", "agree_call", "call_context", "cerar_call", "ring_call"]
+__all__ = ["NonFiniteError", "Working", "agree_call", "call_context", "cerar_call", "items", "ring_call"]
 
 
 class NonFiniteError(ValueError):
@@ -68,33 +69,22 @@ def call_context(
             stats.add(call)
 
 
-def cerar_call(
-    tensor: torch.Tensor,
-    op: str,
-    ring: Ring,
-    code: Code | None,
-    nonfinite: str,
-    stats: CommStats | None,
-    packet_dtype: torch.dtype | None = None,
-    fresh_scale: bool = False,
-    context: Mapping[str, Any] | None = None,
-    max_error: float | None = None,
-    *,
-    within: CommStats | None = None,
-) -> None:
-    """One CERAR call; ``context``: the settings of a layer above (``method="auto"``'s) that every
-    rank must share too, agreed in the same handshake and named first on a mismatch;
-    ``max_error``: the caller's limit, which chose the code, agreed likewise; ``within``: as
-    :func:`call_context`'s."""
-    with call_context(tensor, ring, stats, within) as (flat, call, counter):
+def cerar_call(request: Request, ring: Ring, *, within: CommStats | None = None) -> None:
+    """One CERAR call of ``request`` (its code bound by the route); ``request.context``: the
+    settings of a layer above (``method="auto"``'s) that every rank must share too, agreed in the
+    same handshake and named first on a mismatch; ``within``: as :func:`call_context`'s."""
+    tensor, op, code = request.tensor, request.op, request.code
+    nonfinite, max_error = request.nonfinite, request.max_error
+    with call_context(tensor, ring, request.stats, within) as (flat, call, counter):
         if ring.size == 1:
             return
-        packet = packet_dtype or flat.dtype
-        code = code if code is not None else resolve_code(ring.size, tensor.dtype, packet_dtype)
+        assert code is not None, "the route binds CERAR's code"
+        packet = request.packet_dtype or flat.dtype
+        fresh_scale, context = request.fresh_scale, request.context
         # The caller's dtype, not the working copy's: a float16 tensor on one rank and a bfloat16
         # one on another share the float32 copy, but their sum means nothing.
-        identity = ("cerar", code.fingerprint, str(tensor.dtype), str(packet), flat.numel(), op, nonfinite)
-        identity += (repr(max_error), *_items(context))
+        identity = (request.route, code.fingerprint, str(tensor.dtype), str(packet), flat.numel(), op, nonfinite)
+        identity += (repr(max_error), *items(context))
         settings = settings_hash(identity)
         scale = PacketScale(ring, code, flat, packet, fresh_scale)
         summary = _Summary(code, tensor.dtype, packet, flat.numel(), op, nonfinite, context, max_error)
@@ -126,7 +116,15 @@ def cerar_call(
         if not outcome.finite:
             call.nonfinite_events += 1
         if not outcome.written:  # NaN/Inf: the same list on every rank, every input intact
-            _nonfinite(outcome.maxima, nonfinite, flat, ring, call)
+            if nonfinite == "raise":
+                flagged = [r for r, v in enumerate(outcome.maxima) if not math.isfinite(v)]
+                raise NonFiniteError(
+                    f"cerar.all_reduce: NaN or Inf in the input of rank(s) {flagged} (group ranks); CERAR's mixing "
+                    f"would spread it across its column (all c components) on every rank. Pass nonfinite='exact' "
+                    f"to fall back to the exact ring instead."
+                )
+            call.fallbacks += 1
+            run_ring(flat, ring, call, WIRES["fp32"])
         if op == "avg":
             flat.div_(ring.size)
 
@@ -151,52 +149,74 @@ class _Summary:
         )
 
 
-def _items(context: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+def items(context: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
     """A caller's settings as part of a call's identity (hashed)."""
     return () if context is None else tuple((k, repr(v)) for k, v in context.items())
 
 
-def _nonfinite(maxima: list[float], policy: str, flat: torch.Tensor, ring: Ring, call: CommStats) -> None:
-    """A call whose input held NaN/Inf on some rank and was not decoded: raise, or the exact ring."""
-    if policy == "raise":
-        flagged = [r for r, v in enumerate(maxima) if not math.isfinite(v)]
-        raise NonFiniteError(
-            f"cerar.all_reduce: NaN or Inf in the input of rank(s) {flagged} "
-            f"(group ranks); CERAR's mixing would spread it across its column (all c components) "
-            f"on every rank. Pass nonfinite='exact' to fall back to the exact ring instead."
-        )
-    call.fallbacks += 1
-    run_ring(flat, ring, call)
+def ring_call(request: Request, ring: Ring, *, within: CommStats | None = None) -> None:
+    """One ring call of ``request`` in its wire (``within`` as :func:`cerar_call`'s).
 
-
-def ring_call(
-    tensor: torch.Tensor,
-    op: str,
-    ring: Ring,
-    wire_dtype: torch.dtype | None,
-    stats: CommStats | None,
-    context: Mapping[str, Any] | None = None,
-    *,
-    within: CommStats | None = None,
-) -> None:
-    """One exact ring call (``context`` and ``within`` as :func:`cerar_call`'s)."""
-    with call_context(tensor, ring, stats, within) as (flat, call, counter):
+    1. The handshake, before any data: every rank's settings and call number, and, where the wire
+       needs it (a narrower float, a block wire), every rank's ``max|x|`` (one pass here; infinite
+       for NaN/Inf) and, in a field of its own, the highest group rank whose input is not finite.
+    2. A block wire's non-finite policy, the same decision on every rank: ``"raise"`` raises
+       :class:`NonFiniteError` naming a rank; ``"exact"`` runs the exact ring in the data's own
+       dtype instead (counted in ``fallbacks``); ``"ignore"`` lets each block that holds a NaN or
+       Inf be NaN on every rank, nothing else. The float wires leave non-finite values where
+       they are, as torch's all-reduce does.
+    3. The power-of-two scale the agreed maximum calls for (none for an ordinary gradient), then
+       the rounds (:func:`cerar.comm.kernels.ring_run.run_ring`) in the wire's working dtype: a
+       block wire's is float32 (float64 data is scaled in float64 first, so that values beyond
+       float32's range survive the narrowing).
+    """
+    tensor, op, wire, nonfinite = request.tensor, request.op, request.wire, request.nonfinite
+    with call_context(tensor, ring, request.stats, within) as (flat, call, counter):
         if ring.size == 1:
             return
-        wire = wire_dtype or flat.dtype
-        identity = ("ring", str(tensor.dtype), str(wire), flat.numel(), op, *_items(context))
-        summary: Summary = f"exact ring, values {tensor.dtype}, wire {wire}, size {flat.numel()}, op {op}"
-        if context is not None:
-            summary = {**context, "method": f"ring, wire {wire}"}
-        # A wire narrower than the data (float16 always; bfloat16 or float32 for float64 data,
-        # bfloat16 for float32 data) needs every rank's largest magnitude before its first
-        # round: one pass here (aminmax), carried by the handshake; NaN/Inf make it infinite and
-        # the scaling is skipped.
-        needs_scale = ring_needs_scale(flat.dtype, wire)
-        proposal = Proposal(max_abs(flat) if needs_scale else 0.0)
+        identity = (request.route, str(tensor.dtype), repr(wire), flat.numel(), op, *items(request.context))
+        quantized = wire.quantized
+        if quantized:
+            identity += (nonfinite, repr(request.max_error))
+        summary: Summary = f"{request.route}, wire {wire.describe()}, values {tensor.dtype}, size {flat.numel()}"
+        summary += f", op {op}"
+        if quantized:
+            summary += f", nonfinite={nonfinite!r}, max_error={request.max_error}"
+        if request.context is not None:
+            summary = {**request.context, "method": f"{request.route}, wire {wire.describe()}"}
+        native.warm(flat.device, torch.float32)  # a machine's first build, before the ranks line up
+        proposal = NO_PROPOSAL
+        me = ring.peers[ring.rank] if ring.peers else ring.rank
+        if wire.needs_max(flat.dtype):
+            own = max_abs(flat)  # one pass, read on the host: before the rounds, not inside them
+            proposal = Proposal(own, nonfinite_rank=0 if math.isfinite(own) else me + 1)
         agreed = handshake(ring, settings_hash(identity), counter, summary, proposal, device=flat.device, stats=call)
-        exponent = ring_scale_exponent(ring.size, agreed.max_abs, flat.dtype, wire) if needs_scale else 0
-        run_ring(flat, ring, call, wire_dtype=wire_dtype, scale_exponent=exponent)
+        if quantized and agreed.nonfinite_rank:
+            call.nonfinite_events += 1
+            if nonfinite == "raise":
+                mine = "is not" if proposal.nonfinite_rank else "is"
+                raise NonFiniteError(
+                    f"cerar.all_reduce: NaN or Inf in the input of group rank {agreed.nonfinite_rank - 1} (the "
+                    f"highest-numbered such rank; group rank {me}'s input {mine} finite); the {wire.name} ring would "
+                    f"make each block that holds one NaN on every rank. Pass nonfinite='exact' to fall back to "
+                    f"the exact ring instead, or nonfinite='ignore' to let those blocks be NaN."
+                )
+            if nonfinite == "exact":
+                call.fallbacks += 1
+                run_ring(flat, ring, call, WIRES["fp32"])
+                if op == "avg":
+                    flat.div_(ring.size)
+                return
+        exponent = wire.scale_exponent(ring.size, agreed.max_abs, flat.dtype)
+        work_dtype = wire.work_dtype(flat.dtype)
+        if work_dtype == flat.dtype:
+            run_ring(flat, ring, call, wire, exponent)
+        else:  # float64 data on a block wire: scaled in float64, so that it survives the narrowing
+            scale_by_power_of_two(flat, -exponent)
+            work = flat.to(work_dtype)
+            run_ring(work, ring, call, wire)
+            flat.copy_(work)
+            scale_by_power_of_two(flat, exponent)
         if op == "avg":
             flat.div_(ring.size)
 
@@ -210,7 +230,7 @@ def agree_call(
     ``sent``: the bytes that other way sends (torch's ring, by its formula), added to the
     statistics beside the handshake's own."""
     call = CommStats()
-    identity, number = ("agreed", *_items(context)), count_call(ring.group)
+    identity, number = ("agreed", *items(context)), count_call(ring.group)
     try:
         handshake(ring, settings_hash(identity), number, lambda: dict(context), device=device, stats=call)
         call.bytes_sent += sent  # only once agreed: a refused call sends nothing that way

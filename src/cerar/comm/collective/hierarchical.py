@@ -44,15 +44,16 @@ per ``(group, ranks_per_node)``); this module is one call's body.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cerar.coding.code import Code
-from cerar.comm.collective.call import NonFiniteError, _items, call_context, cerar_call, ring_call
+from cerar.comm.collective.call import NonFiniteError, call_context, cerar_call, items, ring_call
+from cerar.comm.collective.request import Request
 from cerar.comm.kernels.workspace import WORKSPACE
 from cerar.comm.ring.handshake import Summary, handshake, max_around, settings_hash
 from cerar.comm.ring.links import Ring, RingError
@@ -69,41 +70,37 @@ NONFINITE_TAG = 0x0CE8
 # One call (on the communication thread)
 
 
-def hierarchical_call(
-    tensor: torch.Tensor,
-    op: str,
-    nodes: Nodes,
-    method: str,
-    code: Code | None,
-    nonfinite: str,
-    stats: CommStats | None,
-    packet_dtype: torch.dtype | None = None,
-    context: Mapping[str, Any] | None = None,
-) -> None:
-    """One hierarchical call (``context``: a layer above's settings, agreed in its handshake;
-    ``code``: CERAR's between the nodes, bound by the route, None for the ring or one node).
+def hierarchical_call(request: Request, nodes: Nodes) -> None:
+    """One hierarchical call of ``request`` (its route ``hier-cerar``, with CERAR's code for the
+    nodes bound by the route, or ``hier-ring`` in any wire).
 
     1. Open it (:func:`cerar.comm.collective.call.call_context`: its number, its statistics, the
        working copy) and run the handshake over the group's ring.
     2. Reduce-scatter inside the node into this local rank's shard.
-    3. All-reduce the shard across nodes (CERAR or the exact ring, via the collective's own
-       call on the ring of this local rank, with its handshake, scaling and fallback, a stage
-       of this call whose figures it records).
+    3. All-reduce the shard across nodes (CERAR, or the ring in the request's wire, via the
+       collective's own call on the ring of this local rank, with its handshake, scaling and
+       fallback, a stage of this call whose figures it records).
     4. ``nonfinite="raise"``: the nodes' ranks agree whether any shard fell back; if so,
        every rank raises naming the ranks with NaN/Inf, the tensor unchanged.
     5. Divide (``avg``) and all-gather inside the node; write back.
     """
-    layout = nodes.layout
-    with call_context(tensor, nodes.flat, stats) as (flat, call, counter):
+    layout, code, nonfinite, coded = nodes.layout, request.code, request.nonfinite, request.code is not None
+    tensor, op, wire = request.tensor, request.op, request.wire
+    # The ring between nodes falls back where a shard is not finite (the call raises after, with
+    # "raise", once every node knows); the float rings leave NaN/Inf where they are.
+    policy = "ignore" if nonfinite == "ignore" else "exact"
+    if not coded and not wire.quantized:
+        policy = "ignore"
+    with call_context(tensor, nodes.flat, request.stats) as (flat, call, counter):
         fingerprint = code.fingerprint if code is not None else None
-        identity = ("hierarchical", method, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
-        identity += (nonfinite, str(packet_dtype), *_items(context))
+        identity = (request.route, layout.ranks_per_node, fingerprint, str(tensor.dtype), flat.numel(), op)
+        identity += (nonfinite, repr(wire), repr(request.max_error), *items(request.context))
         summary: Summary = (
-            f"hier-{method}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
-            f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}, packets {packet_dtype}"
+            f"{request.route}, ranks_per_node {layout.ranks_per_node}, {code!r}, values {tensor.dtype}, "
+            f"size {flat.numel()}, op {op}, nonfinite={nonfinite!r}, wire {wire.name}"
         )
-        if context is not None:
-            summary = {**context, "method": f"hier-{method}, {code!r}", "packets": packet_dtype}
+        if request.context is not None:
+            summary = {**request.context, "method": f"{request.route}, {code!r}", "wire": wire.name}
         handshake(nodes.flat, settings_hash(identity), counter, summary, device=flat.device, stats=call)
         if layout.world_size == 1:
             return
@@ -115,12 +112,9 @@ def hierarchical_call(
             shard = WORKSPACE.get("hier_shard", (shard_size,), flat.dtype, flat.device)
             _in_node(nodes, "reduce-scatter", dist.reduce_scatter_tensor, shard, padded)
         if nodes.cross is not None:  # a stage of this call: its figures are this call's
-            if method == "cerar":
-                policy = "ignore" if nonfinite == "ignore" else "exact"
-                cerar_call(shard, "sum", nodes.cross, code, policy, None, packet_dtype, within=call)
-            else:
-                ring_call(shard, "sum", nodes.cross, None, None, within=call)
-        if nonfinite == "raise" and method == "cerar":
+            stage = dataclasses.replace(request, tensor=shard, op="sum", nonfinite=policy, stats=None, context=None)
+            (cerar_call if coded else ring_call)(stage, nodes.cross, within=call)
+        if nonfinite == "raise" and policy == "exact":
             _raise_if_nonfinite(nodes, call, flat)
         if op == "avg":
             shard.div_(layout.world_size)
@@ -156,7 +150,7 @@ def _raise_if_nonfinite(nodes: Nodes, call: CommStats, flat: torch.Tensor) -> No
     flagged = _flagged_ranks(nodes.flat, bool(torch.isfinite(flat).all()), flat.device)
     raise NonFiniteError(
         f"cerar.hierarchical_all_reduce: NaN or Inf in the input of rank(s) {flagged} (group ranks); "
-        f"CERAR's mixing would spread it across its column (all c components) on every node. "
+        f"the mixing or the blocks between nodes would spread it on every node. "
         f"Pass nonfinite='exact' to send the shards that hold it through the exact ring instead."
     )
 

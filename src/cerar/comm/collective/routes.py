@@ -37,59 +37,42 @@ this layer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cerar._checks import check_bool, check_choice, check_int
-from cerar.coding.blocks import BlockFormat, ring_error_bound
-from cerar.coding.code import MAX_ERROR, Code, check_max_error
+from cerar.coding.blocks import ring_error_bound
+from cerar.coding.code import Code, check_max_error
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 from cerar.comm.collective.call import agree_call, cerar_call, ring_call
 from cerar.comm.collective.checks import check_op, check_packet_dtype, check_stats, check_tensor
 from cerar.comm.collective.codes import check_usable, code_within, default_code, working_dtype
 from cerar.comm.collective.hierarchical import hierarchical_call
 from cerar.comm.collective.policies import NONFINITE_POLICIES
-from cerar.comm.collective.quant_call import quant_ring_call
+from cerar.comm.collective.request import Request, Settings
+from cerar.comm.kernels.wires import WIRES, BlockWire, FloatWire, Wire
 from cerar.comm.ring.exact import exact_all_reduce
 from cerar.comm.ring.groups import ring_of
 from cerar.comm.ring.nodes import prepare_nodes
-from cerar.comm.ring.stats import CommStats
 from cerar.comm.ring.thread import COMM
 from cerar.comm.ring.work import Work, forward
 
-__all__ = ["ROUTES", "Request", "Route", "get_route", "register_route", "route_for", "start"]
+__all__ = ["ROUTES", "Call", "Request", "Route", "Settings", "get_route", "register_route", "route_for", "start"]
 
-#: The 8-bit rings' block formats (:mod:`cerar.coding.blocks`: the defaults chosen by measurement).
-BLOCK_FORMATS = {"int8": BlockFormat("int8"), "fp8": BlockFormat("fp8")}
-#: Bytes per value of each wire precision (the 8-bit ones with their blocks' scales).
+#: Bytes per value of each wire (the block wires with their blocks' scales).
 WIRE_BYTES = {"fp64": 8.0, "fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
-WIRE_BYTES.update({wire: fmt.bytes_per_value for wire, fmt in BLOCK_FORMATS.items()})
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-_WIRE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class Request:
-    """One call, its arguments checked (:func:`start`): what every row's start takes."""
-
-    tensor: torch.Tensor
-    op: str  # "sum" or "avg"
-    group: Any = None
-    async_op: bool = False
-    code: Code | None = None
-    nonfinite: str = "raise"
-    packet_dtype: torch.dtype | None = None  # rows of no fixed wire: None, float32 or float64
-    max_error: float | None = MAX_ERROR
-    stats: CommStats | None = None
-    fresh_scale: bool = False
-    ranks_per_node: int | None = None
-    context: Mapping[str, Any] | None = None  # a layer above's settings, agreed in the call's handshake
+WIRE_BYTES.update({name: w.fmt.bytes_per_value for name, w in WIRES.items() if isinstance(w, BlockWire)})
+#: The block wires' names (int8, fp8, int4...), each a ``ring-`` and a ``hier-ring-`` row.
+BLOCK_WIRES = tuple(name for name, w in WIRES.items() if isinstance(w, BlockWire))
+_OWN = {torch.float32: FloatWire("fp32", torch.float32), torch.float64: FloatWire("fp64", torch.float64)}
+_DATA_OWN = FloatWire("own", None)
 
 
 Start = Callable[["Route", Request], "Work | None"]
@@ -108,12 +91,12 @@ class Route:
     """One way to all-reduce (a row of :data:`ROUTES`).
 
     Attributes:
-        name: the method's name (``"cerar-fp16"``).
-        method: its family, the name the process group's and the hooks' settings use with a
-            ``packet_dtype`` (``"cerar"``, ``"ring"``, ``"hier-cerar"``, ``"hier-ring"``,
-            ``"exact"``, ``"auto"``).
-        wire: the precision it sends, fixed by the row (``"fp16"``...), or None: the data's
-            own (float32, or float64 for float64 tensors; ``packet_dtype`` may choose).
+        name: the method's name (``"cerar-fp16"``, ``"ring-int8"``).
+        family: ``"cerar"``, ``"ring"``, ``"hier-cerar"``, ``"hier-ring"``, ``"exact"``,
+            ``"torch"`` or ``"auto"``.
+        wire: the wire's name, fixed by the row (``"fp16"``, ``"int8"``...), or None: the data's
+            own (float32, or float64 for float64 tensors; ``packet_dtype`` float32 or float64
+            may choose).
         start: how one call starts: ``start(route, request)`` returns a :class:`Work` with
             ``async_op``, else None once done (None too on ranks outside the group).
         values: values each rank sends per value reduced, ``values(n, c)`` for the ring it runs
@@ -121,13 +104,13 @@ class Route:
         coded: takes a :class:`cerar.Code` (CERAR).
         identical: every rank ends with bitwise the same values.
         exact: identical, and the sum up to float32 rounding.
-        hierarchical: exact inside each node; ``values`` and the code are for the nodes.
+        hierarchical: exact inside each node; ``values``, the code and the error are for the nodes.
         transport: ``"cerar"`` (its point-to-point ring and handshake) or ``"torch"``.
         description: one line for ``--help`` and the docs.
     """
 
     name: str
-    method: str
+    family: str
     wire: str | None
     start: Start
     values: Callable[[int, int | None], float] = _ring_values
@@ -137,15 +120,14 @@ class Route:
     hierarchical: bool = False
     transport: str = "cerar"
     description: str = ""
-    error: Callable[[int], float] | None = None  # a row's own prediction (the 8-bit rings')
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
-        """The wire's torch dtype where the row fixes a narrower one, else None."""
-        return _DTYPES.get(self.wire or "")
+        """The wire's torch dtype where the row fixes a narrower float one, else None."""
+        return getattr(WIRES.get(self.wire or ""), "dtype", None)
 
     def precision(self, data: torch.dtype = torch.float32) -> str:
-        """The precision on the wire for ``data`` tensors (``"fp32"``, ``"fp16"``...)."""
+        """The precision on the wire for ``data`` tensors (``"fp32"``, ``"fp16"``, ``"int8"``...)."""
         return self.wire or precision_name(working_dtype(data))
 
     def bytes_per_value(self, world_size: int, components: int | None = None, data_bytes: float = 4.0) -> float:
@@ -155,16 +137,119 @@ class Route:
         return self.values(world_size, components) * width
 
     def error_bound(self, world_size: int, code: Code | None = None) -> float:
-        """The predicted worst-rank relative error for i.i.d. inputs (see the module doc):
-        CERAR's code's (the default code's for ``world_size`` if none), a ring's
-        ``u sqrt((N+1)/2)``."""
-        if self.error is not None:
-            return self.error(world_size)
+        """The predicted worst-rank relative error (see the module doc): CERAR's code's (the
+        default code's for ``world_size`` if none), a block wire's ring's
+        (:func:`cerar.coding.blocks.ring_error_bound`), a float ring's ``u sqrt((N+1)/2)``."""
+        wire = WIRES.get(self.wire or "")
+        if isinstance(wire, BlockWire):
+            return ring_error_bound(world_size, fmt=wire.fmt)
         precision = self.precision()
         if self.coded and world_size > 2:
             code = code if code is not None else default_code(world_size, precision)
             return code.predicted_worst_error(precision)
         return UNIT_ROUNDOFF[precision] * math.sqrt((world_size + 1) / 2)
+
+    def code_for(self, ranks: int, data: torch.dtype, settings: Settings) -> Code | None:
+        """The one rule for the code of a CERAR row on ``ranks`` ranks (nodes for the hierarchical
+        row): the given code, checked for ``ranks`` and against ``max_error`` at the packet
+        precision, or :func:`cerar.comm.collective.codes.code_within`'s (the default code, or one
+        with fewer components where ``max_error`` asks for less, or refused with the figures).
+        None for a row that takes no code or a ring of one rank. The process group, the DDP
+        hooks, ``method="auto"`` and every call ask here."""
+        if not self.coded or ranks < 2:
+            return None
+        precision = precision_name(self.packet_wire(data, settings.packet_dtype).dtype or working_dtype(data))
+        code = settings.code
+        if code is None:
+            return code_within(ranks, precision, settings.max_error)
+        if code.world_size != ranks:
+            where = "nodes" if self.hierarchical else "ranks"
+            raise ValueError(
+                f"Argument 'code' must be for the group's {ranks} {where}, not world_size={code.world_size}."
+            )
+        check_usable(code, precision, settings.max_error)
+        return code
+
+    def packet_wire(self, data: torch.dtype, packet_dtype: torch.dtype | None) -> FloatWire:
+        """A float row's wire: the row's, the ``packet_dtype`` given (CERAR's family rows take 16
+        bits too), or the data's own."""
+        wire = WIRES.get(self.wire or "")
+        if isinstance(wire, FloatWire):
+            return wire
+        if packet_dtype in _OWN:
+            return _OWN[packet_dtype]
+        if packet_dtype is not None:
+            return WIRES[precision_name(packet_dtype)]  # type: ignore[return-value]
+        return _OWN[working_dtype(data)]
+
+    def applicable(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Of the settings of an owner that serves several rows (a DDP hook's state, a process
+        group, the bench), the ones this row takes: ``code`` and ``fresh_scale`` for CERAR's rows,
+        ``packet_dtype`` where the row has no fixed wire (or it names the row's own), and
+        ``ranks_per_node`` for the hierarchical rows; the others apply to every row."""
+        drop = set()
+        if not self.coded:
+            drop |= {"code", "fresh_scale"}
+        if options.get("packet_dtype") not in (None, torch.float32, torch.float64, self.wire_dtype) and (
+            self.wire is not None or not self.coded
+        ):
+            drop.add("packet_dtype")
+        if not self.hierarchical:
+            drop.add("ranks_per_node")
+        return {k: v for k, v in options.items() if k not in drop}
+
+    def check(self, settings: Settings) -> None:
+        """Refuse the settings that do not apply to this row (naming the row), or bad values."""
+        s = settings
+        check_choice("nonfinite", s.nonfinite, NONFINITE_POLICIES)
+        check_packet_dtype(s.packet_dtype)
+        check_stats(s.stats)
+        check_max_error(s.max_error)
+        check_bool("fresh_scale", s.fresh_scale)
+        check_int("ranks_per_node", s.ranks_per_node, minimum=1, optional=True)
+        if s.code is not None and not isinstance(s.code, Code):
+            raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(s.code).__name__}.")
+        if s.code is not None and not self.coded:
+            raise ValueError(f"Argument 'code' does not apply to method {self.name!r}, not {s.code!r}.")
+        if s.fresh_scale and not self.coded:
+            raise ValueError(f"Argument 'fresh_scale' applies to CERAR's rows, not to method {self.name!r}.")
+        own = s.packet_dtype in (None, torch.float32, torch.float64, self.wire_dtype)
+        if not own and (self.wire is not None or not self.coded):
+            raise ValueError(
+                f"Argument 'packet_dtype' does not apply to method {self.name!r}, not {s.packet_dtype} "
+                f"(its wire is {self.wire or 'the data own'}; name the row of that wire instead)."
+            )
+        if s.ranks_per_node is not None and not self.hierarchical:
+            raise ValueError(f"Argument 'ranks_per_node' applies to the hierarchical methods only, not {self.name!r}.")
+
+    def check_error(self, ranks: int, max_error: float | None) -> None:
+        """Refuse a row whose predicted error on ``ranks`` ranks (nodes) exceeds ``max_error``,
+        with the figures (CERAR's rows are checked through their code, :meth:`code_for`)."""
+        if max_error is None or self.coded or ranks < 2:
+            return
+        bound = self.error_bound(ranks)
+        if bound > max_error:
+            where = "nodes" if self.hierarchical else "ranks"
+            raise ValueError(
+                f"Argument 'max_error' is {max_error:g}, but method {self.name!r} predicts a worst-rank relative error "
+                f"of {bound:.3g} on {ranks} {where} (relative to the root-sum-square of the ranks' inputs). "
+                f"Pass a larger max_error, or max_error=None to run it anyway."
+            )
+
+    def resolve(
+        self, tensor: torch.Tensor, op: str, group: Any, async_op: bool, settings: Settings, ranks: int
+    ) -> Request:
+        """The request of one call on ``ranks`` ranks (nodes, for a hierarchical row): the wire and
+        the code resolved, the error checked against ``max_error``."""
+        self.check_error(ranks, settings.max_error)
+        wire: Wire = WIRES[self.wire] if self.wire in WIRES else self.packet_wire(tensor.dtype, settings.packet_dtype)
+        if self.wire is None and not self.coded and settings.packet_dtype is None:
+            wire = _DATA_OWN
+        s, code = settings, self.code_for(ranks, tensor.dtype, settings)
+        return Request(
+            tensor, op, group, async_op, self.name, wire, s.nonfinite, s.max_error, s.stats, s.context, code,
+            s.fresh_scale, s.ranks_per_node,
+        )  # fmt: skip
 
 
 #: The rows by name (auto's is added by :mod:`cerar.comm.auto.collective` when it loads).
@@ -184,13 +269,22 @@ def get_route(name: str) -> Route:
     return ROUTES[name]
 
 
-def route_for(method: str, packet_dtype: torch.dtype | None = None) -> Route:
-    """The row of a family and a packet or wire dtype: ``("cerar", torch.float16)`` is
-    ``cerar-fp16``; where no row fixes that wire (float32, float64, None; ``hier-cerar`` with
+def route_for(family: str, packet_dtype: torch.dtype | None = None) -> Route:
+    """The row of a family and a packet or wire dtype (the deprecated ways in, which name a family
+    and a dtype): ``("cerar", torch.float16)`` is ``cerar-fp16``, ``("ring", torch.int8)``
+    ``ring-int8``; where no row fixes that wire (float32, float64, None; ``hier-cerar`` with
     16-bit packets), the family's own row, which takes the dtype as its ``packet_dtype``."""
-    wire = _WIRE_NAMES.get(packet_dtype) or (precision_name(packet_dtype) if packet_dtype is not None else None)
-    row = ROUTES.get(f"{method}-{wire}")
-    return row if row is not None else get_route(method)  # a family row takes the dtype as an argument
+    wire = wire_name(packet_dtype) if packet_dtype is not None else None
+    row = ROUTES.get(f"{family}-{wire}")
+    return row if row is not None else get_route(family)
+
+
+def wire_name(dtype: torch.dtype) -> str:
+    """The wire's name of a torch dtype: ``torch.int8`` is ``"int8"``, ``torch.float16`` ``"fp16"``."""
+    for name, wire in WIRES.items():
+        if dtype in (getattr(wire, "dtype", None), getattr(wire, "codes_dtype", None)):
+            return name
+    return precision_name(dtype, "wire_dtype")
 
 
 def start(
@@ -202,133 +296,99 @@ def start(
     **options: Any,
 ) -> Work | None:
     """Check a call's arguments on the caller's thread, before anything is queued, and start it
-    by ``route`` (a row or its name). ``options``: :class:`Request`'s fields (a row that does
-    not take ``code``, ``packet_dtype`` or ``ranks_per_node`` refuses them)."""
+    by ``route`` (a row or its name). ``options``: :class:`Settings`'s fields (a row refuses
+    one that does not apply to it)."""
     route = get_route(route) if isinstance(route, str) else route
-    unknown = sorted(set(options) - set(Request.__dataclass_fields__))
+    unknown = sorted(set(options) - {f.name for f in fields(Settings)})
     if unknown:
         raise TypeError(f"cerar: unknown arguments {unknown} for method {route.name!r}.")
     check_tensor(tensor)
-    request = Request(tensor, check_op(op), group, check_bool("async_op", async_op), **options)
-    _check(route, request)
-    return route.start(route, request)
+    settings = Settings(**options)
+    op, async_op = check_op(op), check_bool("async_op", async_op)
+    route.check(settings)
+    return route.start(route, Call(tensor, op, group, async_op, settings))  # type: ignore[arg-type]
 
 
-def _check(route: Route, r: Request) -> None:
-    check_choice("nonfinite", r.nonfinite, NONFINITE_POLICIES)
-    check_packet_dtype(r.packet_dtype)
-    check_stats(r.stats)
-    check_max_error(r.max_error)
-    check_bool("fresh_scale", r.fresh_scale)
-    check_int("ranks_per_node", r.ranks_per_node, minimum=1, optional=True)
-    if r.code is not None and not isinstance(r.code, Code):
-        raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(r.code).__name__}.")
-    if r.code is not None and not route.coded:
-        raise ValueError(f"Argument 'code' does not apply to method {route.name!r}, not {r.code!r}.")
-    if r.packet_dtype not in (None, torch.float32, torch.float64) and route.wire is not None:
-        raise ValueError(f"Argument 'packet_dtype' does not apply to method {route.name!r} (its wire is {route.wire}).")
-    if r.ranks_per_node is not None and not route.hierarchical:
-        raise ValueError(f"Argument 'ranks_per_node' applies to the hierarchical methods only, not {route.name!r}.")
+@dataclass(frozen=True)
+class Call:
+    """A call checked but not yet resolved: each row's start resolves it once it knows its
+    ring's size (:meth:`Route.resolve`)."""
+
+    tensor: torch.Tensor
+    op: str
+    group: Any
+    async_op: bool
+    settings: Settings
+
+    def resolve(self, route: Route, ranks: int) -> Request:
+        return route.resolve(self.tensor, self.op, self.group, self.async_op, self.settings, ranks)
 
 
 # ---------------------------------------------------------------------------------------------
 # The rows' starts
 
 
-def _packet(route: Route, r: Request) -> torch.dtype | None:
-    return route.wire_dtype if route.wire is not None else r.packet_dtype
-
-
 def _submit(r: Request, call: Callable[..., None], *args: Any) -> Work | None:
-    """Queue ``call(tensor, op, *args)`` on the communication thread: every cerar-transport row's
+    """Queue ``call(request, *args)`` on the communication thread: every cerar-transport row's
     start ends here. detach(): the same storage, so the result lands in ``tensor``, without
     autograd, which refuses in-place writes to a leaf that requires grad (dist.all_reduce also
     bypasses it)."""
-    return COMM.submit(functools.partial(call, r.tensor.detach(), r.op, *args), r.tensor, r.async_op, r.group)
+    request = dataclasses.replace(r, tensor=r.tensor.detach())
+    return COMM.submit(functools.partial(call, request, *args), r.tensor, r.async_op, r.group)
 
 
-def _start_cerar(route: Route, r: Request) -> Work | None:
-    ring = ring_of(r.group)
+def _start_flat(route: Route, c: Call) -> Work | None:
+    ring = ring_of(c.group)
     if ring is None:
         return None
-    packet = _packet(route, r)
-    precision = precision_name(packet or working_dtype(r.tensor.dtype))
-    code = r.code
-    if code is not None:
-        if code.world_size != ring.size:
-            raise ValueError(
-                f"Argument 'code' is for world_size={code.world_size} but the group has {ring.size} ranks."
-            )
-        check_usable(code, precision, r.max_error)
-    elif ring.size > 1:  # the default code, bound by max_error (fewer components, or refused with the figures)
-        code = code_within(ring.size, precision, r.max_error)
-    return _submit(r, cerar_call, ring, code, r.nonfinite, r.stats, packet, r.fresh_scale, r.context, r.max_error)
+    request = c.resolve(route, ring.size)
+    return _submit(request, cerar_call if route.coded else ring_call, ring)
 
 
-def _start_ring(route: Route, r: Request) -> Work | None:
-    ring = ring_of(r.group)
-    return None if ring is None else _submit(r, ring_call, ring, _packet(route, r), r.stats, r.context)
-
-
-def _start_quantized(route: Route, r: Request) -> Work | None:
-    ring = ring_of(r.group)
-    if ring is None:
-        return None
-    return _submit(r, quant_ring_call, ring, BLOCK_FORMATS[route.wire or ""], r.nonfinite, r.stats, r.context)
-
-
-def _start_hierarchical(route: Route, r: Request) -> Work | None:
-    nodes = prepare_nodes(r.group, r.ranks_per_node, r.tensor.device)
+def _start_hierarchical(route: Route, c: Call) -> Work | None:
+    nodes = prepare_nodes(c.group, c.settings.ranks_per_node, c.tensor.device)
     if nodes is None:
         return None
-    if r.code is not None and r.code.world_size != nodes.layout.nodes:
-        raise ValueError(
-            f"Argument 'code' must be for the group's {nodes.layout.nodes} nodes, not world_size={r.code.world_size}."
-        )
-    family = "cerar" if route.coded else "ring"
-    nonfinite = r.nonfinite if route.coded else "ignore"
-    packet, code = _packet(route, r), r.code
-    if route.coded and nodes.layout.nodes > 1:  # the code between nodes, bound by max_error as the flat call's
-        precision = precision_name(packet or working_dtype(r.tensor.dtype))
-        if code is not None:
-            check_usable(code, precision, r.max_error)
-        else:
-            code = code_within(nodes.layout.nodes, precision, r.max_error)
-    return _submit(r, hierarchical_call, nodes, family, code, nonfinite, r.stats, packet, r.context)
+    request = c.resolve(route, nodes.layout.nodes)
+    return _submit(request, hierarchical_call, nodes)
 
 
-def _agree_first(r: Request, bytes_per_value: Callable[[int], float]) -> None:
-    """With a ``context`` (auto's), agree it on cerar's thread, in order with the calls in flight,
-    before torch's all-reduce on the caller's thread; ``bytes_per_value(ranks)``: what that
-    all-reduce sends per value, by its formula, for the statistics."""
-    if r.context is None:
-        return
-    ring = ring_of(r.group)
+def _agree_first(route: Route, c: Call, bytes_per_value: Callable[[int], float]) -> None:
+    """Agree the call (its row, size, dtype, op and a layer above's ``context``) on cerar's
+    thread, in order with the calls in flight, and wait for it, before torch's all-reduce on the
+    caller's thread: a rank that called another row raises :class:`SettingsMismatchError`
+    everywhere instead of waiting in torch's all-reduce for a peer that never joins it.
+    ``bytes_per_value(ranks)``: what that all-reduce sends per value, by its formula."""
+    ring = ring_of(c.group)
     assert ring is not None
-    sent = round(bytes_per_value(ring.size) * r.tensor.numel())
-    agree = functools.partial(agree_call, ring, r.context, r.tensor.device, r.stats, sent)
-    COMM.submit(agree, r.tensor, False, r.group)
+    sent = round(bytes_per_value(ring.size) * c.tensor.numel())
+    context = {"method": route.name, "size": c.tensor.numel(), "dtype": str(c.tensor.dtype), "op": c.op}
+    context.update(c.settings.context or {})
+    agree = functools.partial(agree_call, ring, context, c.tensor.device, c.settings.stats, sent)
+    COMM.submit(agree, c.tensor, False, c.group)
 
 
-def _start_exact(route: Route, r: Request) -> Work | None:
-    """torch's all-reduce on the caller's thread, in order with the caller's own collectives; with
-    a ``context`` (auto's), agreed first on cerar's thread, in order with the calls in flight."""
-    if dist.get_rank(r.group) < 0:
+def _start_exact(route: Route, c: Call) -> Work | None:
+    """torch's all-reduce on the caller's thread, in order with the caller's own collectives,
+    once the call is agreed on cerar's thread (:func:`_agree_first`)."""
+    if dist.get_rank(c.group) < 0:
         return None
-    _agree_first(r, lambda n: route.bytes_per_value(n, None, r.tensor.element_size()))
+    r = c.resolve(route, dist.get_world_size(c.group))
+    _agree_first(route, c, lambda n: route.bytes_per_value(n, None, r.tensor.element_size()))
     future = exact_all_reduce(r.tensor, r.group, average=r.op == "avg", async_op=True)
     assert future is not None
     return _finished(Work(future), r.async_op)
 
 
-def _start_torch_16(route: Route, r: Request) -> Work | None:
+def _start_torch_16(route: Route, c: Call) -> Work | None:
     """torch's ``fp16_compress_hook`` (``bf16_compress_hook``) as a call: the tensor cast to the
     wire (divided by ``N`` first for an average), torch's all-reduce, cast back; what DDP's
     16-bit hooks send."""
-    if dist.get_rank(r.group) < 0:
+    if dist.get_rank(c.group) < 0:
         return None
-    _agree_first(r, route.bytes_per_value)
-    group = dist.group.WORLD if r.group is None else r.group
+    group = dist.group.WORLD if c.group is None else c.group
+    r = c.resolve(route, dist.get_world_size(group))
+    _agree_first(route, c, route.bytes_per_value)
     compressed = r.tensor.detach().to(route.wire_dtype)
     if r.op == "avg":
         compressed.div_(dist.get_world_size(group))
@@ -350,6 +410,23 @@ def _finished(work: Work, async_op: bool) -> Work | None:
     return None
 
 
+def _block_rows() -> list[Route]:
+    rows = []
+    for name in BLOCK_WIRES:
+        fmt = WIRES[name].fmt  # type: ignore[attr-defined]
+        rows.append(Route(
+            f"ring-{name}", "ring", name, _start_flat,
+            description=f"the ring sending {name} in blocks ({fmt.describe()}), float32 partial sums, requantized "
+            "at every hop, every rank the owner's values",
+        ))  # fmt: skip
+    for name in ("fp16", "bf16", *BLOCK_WIRES):
+        rows.append(Route(
+            f"hier-ring-{name}", "hier-ring", name, _start_hierarchical, hierarchical=True,
+            description=f"exact reduce-scatter in each node, the ring sending {name} between nodes, all-gather",
+        ))  # fmt: skip
+    return rows
+
+
 for _route in (
     Route("exact", "exact", "fp32", _start_exact, exact=True, transport="torch",
           description="torch.distributed.all_reduce on the caller's group (Gloo, NCCL)"),
@@ -357,30 +434,23 @@ for _route in (
           description="torch's fp16_compress_hook as a call: cast to float16, torch's all-reduce, cast back"),
     Route("torch-bf16", "torch", "bf16", _start_torch_16, transport="torch",
           description="torch's bf16_compress_hook as a call: cast to bfloat16, torch's all-reduce, cast back"),
-    Route("ring", "ring", None, _start_ring, exact=True,
+    Route("ring", "ring", None, _start_flat, exact=True,
           description="cerar's exact ring (reduce-scatter + all-gather) on cerar's transport"),
-    Route("ring-fp16", "ring", "fp16", _start_ring,
+    Route("ring-fp16", "ring", "fp16", _start_flat,
           description="the ring sending float16 (power-of-two scaled), accumulating in float32"),
-    Route("ring-bf16", "ring", "bf16", _start_ring,
+    Route("ring-bf16", "ring", "bf16", _start_flat,
           description="the ring sending bfloat16, accumulating in float32"),
-    Route("ring-int8", "ring", "int8", _start_quantized,
-          error=functools.partial(ring_error_bound, fmt=BLOCK_FORMATS["int8"]),
-          description=f"the ring sending int8 in blocks ({BLOCK_FORMATS['int8'].describe()}), float32 partial sums, "
-          "requantized at every hop, every rank the owner's values"),
-    Route("ring-fp8", "ring", "fp8", _start_quantized,
-          error=functools.partial(ring_error_bound, fmt=BLOCK_FORMATS["fp8"]),
-          description=f"the ring sending float8 e4m3 in blocks ({BLOCK_FORMATS['fp8'].describe()}), float32 partial "
-          "sums, requantized at every hop"),
-    Route("cerar", "cerar", None, _start_cerar, _cerar_values, coded=True, identical=False,
+    Route("cerar", "cerar", None, _start_flat, _cerar_values, coded=True, identical=False,
           description="CERAR with float32 packets (float64 for float64 tensors), decoded in float64"),
-    Route("cerar-fp16", "cerar", "fp16", _start_cerar, _cerar_values, coded=True, identical=False,
+    Route("cerar-fp16", "cerar", "fp16", _start_flat, _cerar_values, coded=True, identical=False,
           description="CERAR with float16 packets (power-of-two scaled; codes designed for float16)"),
-    Route("cerar-bf16", "cerar", "bf16", _start_cerar, _cerar_values, coded=True, identical=False,
+    Route("cerar-bf16", "cerar", "bf16", _start_flat, _cerar_values, coded=True, identical=False,
           description="CERAR with bfloat16 packets (codes designed for bfloat16)"),
     Route("hier-ring", "hier-ring", None, _start_hierarchical, exact=True, hierarchical=True,
           description="exact reduce-scatter in each node, cerar's exact ring between nodes, all-gather in each node"),
     Route("hier-cerar", "hier-cerar", None, _start_hierarchical, _cerar_values, coded=True, identical=False,
           hierarchical=True,
           description="exact reduce-scatter in each node, CERAR (a code for M nodes) between nodes, all-gather"),
+    *_block_rows(),
 ):  # fmt: skip
     register_route(_route)

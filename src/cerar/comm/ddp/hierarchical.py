@@ -10,6 +10,8 @@ resolves the layout, the default code and its own group at the first bucket.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -67,21 +69,19 @@ class HierarchicalState(CerarState):
             layout = node_layout(self.process_group, self.ranks_per_node)
             if layout is None:
                 raise RuntimeError("HierarchicalState: this rank is not a member of its process group.")
-            if self.code is not None and self.code.world_size != layout.nodes:
-                raise ValueError(
-                    f"Argument 'code' of HierarchicalState must be for the group's {layout.nodes} nodes, "
-                    f"not world_size={self.code.world_size}."
-                )
             self.layout = layout
             self.ranks_per_node = layout.ranks_per_node
             self.world_size = layout.world_size
             self._comm_group = new_group_like(self.process_group)
-        if coded and self.code is None:
-            from cerar.comm.collective.codes import resolve_code
-
-            assert self.layout is not None
-            self.code = resolve_code(self.layout.nodes, dtype, self.packet_dtype)
         return self._comm_group
+
+    @property
+    def code_ranks(self) -> int | None:
+        """The ranks the code is for: the group's nodes (known from the first bucket)."""
+        return None if self.layout is None else self.layout.nodes
+
+    def call_settings(self) -> dict[str, Any]:
+        return {**super().call_settings(), "ranks_per_node": self.ranks_per_node}
 
     def __repr__(self) -> str:
         return super().__repr__().replace("CerarState(", f"HierarchicalState(ranks_per_node={self.ranks_per_node}, ", 1)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from cerar.comm.collective.policies import NONFINITE_POLICIES
+from cerar.comm.collective.request import Settings
 from cerar.comm.collective.routes import Route, get_route, start
 from cerar.comm.ddp.checkpoint import STATE_DICT_FORMAT
 from cerar.comm.ddp.hierarchical import HierarchicalState
@@ -138,8 +139,13 @@ def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.f
             f"Argument 'state' of the hierarchical DDP hooks must be a cerar.ddp.HierarchicalState, not "
             f"{type(state).__name__}: its code is for the number of nodes, and it knows ranks_per_node."
         )
-    group = state.resolve_group(route.coded, bucket.buffer().dtype)
     buffer = bucket.buffer()
+    group = state.resolve_group(route.coded, buffer.dtype)
+    if route.coded and state.code_ranks is not None:
+        # The given code checked, or the default by the one rule (kept for state_dict), at every
+        # bucket, the ones the bucket policy sends to torch's all-reduce too: a wrong code raises
+        # at the first backward, not at the first bucket large enough.
+        state.code = route.code_for(state.code_ranks, buffer.dtype, Settings(**route.applicable(state.call_settings())))
     call = CommStats()
     sparse = buffer.layout != torch.strided
     exact = not sparse and state.exact_path(buffer)  # before the last bucket advances iteration
@@ -153,12 +159,7 @@ def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.f
                 state.exact_buckets += 1
                 state.exact_bytes += buffer.numel() * buffer.element_size()
             return exact_all_reduce(buffer, state.process_group, average=True, async_op=True), _averaged
-        options: dict[str, Any] = state.coded_settings() if route.coded else {}
-        if route.coded and route.wire is not None:
-            options.pop("packet_dtype")  # the row's own wire
-        if route.hierarchical:
-            options["ranks_per_node"] = state.ranks_per_node  # type: ignore[attr-defined]
-        work = start(route, buffer, "avg", group, True, stats=call, **options)
+        work = start(route, buffer, "avg", group, True, stats=call, **route.applicable(state.call_settings()))
         assert work is not None
         return work.future, _averaged
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cerar._checks import check_choice
-from cerar.coding.code import Code
+from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.ddp.checkpoint import (
     SETTINGS,
@@ -151,6 +151,7 @@ class CerarState(ReplicaSync):
         "last_divergence",
         "last_step",
         "max_divergence",
+        "max_error",
         "min_bucket_bytes",
         "nonfinite",
         "on_step",
@@ -181,6 +182,7 @@ class CerarState(ReplicaSync):
         *,
         nonfinite: str = "exact",
         packet_dtype: torch.dtype | None = None,
+        max_error: float | None = MAX_ERROR,
         min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
         start_iter: int = 0,
         resync_every: int | None = None,
@@ -201,6 +203,7 @@ class CerarState(ReplicaSync):
         self.world_size: int | None = None  # resolved at the first bucket
         self.nonfinite: str = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
         self.packet_dtype: torch.dtype | None = check_packet_dtype(packet_dtype)
+        self.max_error: float | None = check_max_error(max_error)
         self.min_bucket_bytes: int = check_count("min_bucket_bytes", min_bucket_bytes)
         self.start_iter: int = check_count("start_iter", start_iter)
         self.resync_every: int | None = check_every("resync_every", resync_every)
@@ -291,28 +294,24 @@ class CerarState(ReplicaSync):
     # (hooks.launch_bucket makes the last two calls for every hook, auto's included).
 
     def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
-        """The hook's group, created (and the code checked, or for a coded bucket defaulted by
-        :func:`cerar.comm.collective.call.resolve_code` from the bucket's dtype and ``packet_dtype``)
-        at the first bucket."""
+        """The hook's group, created at the first bucket (the hook then checks the code, or
+        defaults it by the route's one rule, :meth:`cerar.comm.collective.routes.Route.code_for`)."""
         if self._comm_group is None:
             require_initialised("CerarState")
-            world_size = dist.get_world_size(self.process_group)
-            if self.code is not None and self.code.world_size != world_size:
-                raise ValueError(
-                    f"Argument 'code' of CerarState must be for the group's {world_size} ranks, "
-                    f"not world_size={self.code.world_size}."
-                )
-            self.world_size = world_size
+            self.world_size = dist.get_world_size(self.process_group)
             self._comm_group = new_group_like(self.process_group)
-        if coded and self.code is None:
-            from cerar.comm.collective.codes import resolve_code
-
-            self.code = resolve_code(dist.get_world_size(self.process_group), dtype, self.packet_dtype)
         return self._comm_group
 
-    def coded_settings(self) -> dict[str, Any]:
-        """The coded collective's keyword arguments for a bucket: ``code``, ``nonfinite``, ``packet_dtype``."""
-        return {"code": self.code, "nonfinite": self.nonfinite, "packet_dtype": self.packet_dtype}
+    @property
+    def code_ranks(self) -> int | None:
+        """The ranks the code is for: the group's (known from the first bucket)."""
+        return self.world_size
+
+    def call_settings(self) -> dict[str, Any]:
+        """Every setting of the state's that a call takes, for each bucket: the route decides
+        what applies to it (and refuses what does not)."""
+        return {"code": self.code, "nonfinite": self.nonfinite, "packet_dtype": self.packet_dtype,
+                "max_error": self.max_error}  # fmt: skip
 
     def note_bucket(self, index: int, numel: int) -> CommStats:
         """The statistics kept for bucket ``index`` (started afresh when DDP's rebuilt buckets

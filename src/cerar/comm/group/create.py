@@ -24,8 +24,6 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from cerar.coding.code import MAX_ERROR, Code
-from cerar.coding.precision import precision_name
-from cerar.comm.collective.codes import resolve_code, working_dtype
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
 from cerar.comm.ring.groups import require_initialised
@@ -54,10 +52,14 @@ def new_group(
     the others get torch's non-member marker.
 
     Args:
-        method: the coded all-reduces' method, one the DDP hooks take: ``"cerar"``,
-            ``"ring"`` (cerar's exact ring; with ``packet_dtype=torch.float16`` the 16-bit ring),
-            ``"auto"`` (the fastest within ``max_error``, per size), ``"hier-cerar"`` and
-            ``"hier-ring"`` (exact inside each node, with ``ranks_per_node``).
+        method: the coded all-reduces' method, a row of the route table
+            (:data:`cerar.comm.collective.routes.ROUTES`): ``"cerar"``, ``"cerar-fp16"``,
+            ``"ring"``, ``"ring-fp16"``, ``"ring-int8"``, ``"auto"`` (the fastest within
+            ``max_error``, per size), ``"hier-cerar"``, ``"hier-ring"``, ``"hier-ring-int8"``
+            (exact inside each node, with ``ranks_per_node``)... The old form, a family with a
+            ``packet_dtype`` a row fixes (``method="ring", packet_dtype=torch.int8``) or with
+            ``ranks_per_node`` (``method="cerar", ranks_per_node=2``), still works and warns
+            (``DeprecationWarning``) naming the row.
         code, packet_dtype, max_error, nonfinite: as :func:`cerar.all_reduce` (``nonfinite``
             defaults to ``"exact"``, as the DDP hooks: a gradient with NaN/Inf is summed exactly).
         min_bytes: all-reduces of tensors smaller than this go to the exact group (default 2 MiB,
@@ -75,10 +77,6 @@ def new_group(
     members = _members(ranks, world)
     if ranks_per_node is not None and len(members) % ranks_per_node:
         raise ValueError(f"Argument 'ranks_per_node' must divide the {len(members)} ranks, not {ranks_per_node}.")
-    if code is not None and method != "auto":
-        expected = len(members) // (ranks_per_node or 1)
-        if code.world_size != expected:
-            raise ValueError(f"Argument 'code' must be for {expected} ranks, not world_size={code.world_size}.")
     options = {"timeout": check_timeout(timeout), "backend": _inner_backend()}
     exact = dist.new_group(members, **options)
     transport = dist.new_group(members, **options)
@@ -194,19 +192,17 @@ def agree_settings(settings: GroupSettings, exact: dist.ProcessGroup) -> None:
 
 
 def check_code(settings: GroupSettings, size: int) -> None:
-    """Refuse, when the group is made, a code that cannot meet ``max_error`` at the group's packet
-    precision: the given one or, without one, the default the coded calls would take (for float32
-    tensors: float64 ones get a code at least as accurate). A ValueError names the code, ``N``,
-    ``c``, the precision, the predicted error and the limit, on every rank (the settings are
-    agreed first), as ``cerar.all_reduce`` refuses an explicit code."""
-    if settings.method not in ("cerar", "hier-cerar") or settings.max_error is None:
-        return
+    """Refuse, when the group is made, what its coded calls would refuse: a code for the wrong
+    number of ranks (nodes), or one that cannot meet ``max_error`` at the group's packet
+    precision, the given one or, without one, the default (for float32 tensors: float64 ones get
+    a code at least as accurate) by the route's one rule (:meth:`Route.code_for`), and a row
+    whose predicted error exceeds ``max_error``. A ValueError names the figures, on every rank
+    (the settings are agreed first), as ``cerar.all_reduce`` refuses them."""
+    route = settings.route
     ranks = size // (settings.ranks_per_node or 1)  # the code's ranks: the nodes on the hierarchical path
-    if ranks < 2:
-        return
-    packet = settings.packet_dtype
-    code = settings.code if settings.code is not None else resolve_code(ranks, torch.float32, packet)
-    code.check_error(precision_name(packet or working_dtype(torch.float32)), settings.max_error)
+    call = settings.call_settings()
+    route.check_error(ranks, settings.max_error)
+    route.code_for(ranks, torch.float32, call)
 
 
 def _adopt_backends(group: dist.ProcessGroup, exact: dist.ProcessGroup) -> None:

@@ -38,7 +38,8 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,31 +47,30 @@ import torch
 import torch.distributed as dist
 
 import cerar.comm.auto.collective  # noqa: F401 (registers the auto row)
-from cerar._checks import check_choice, check_int
-from cerar.coding.code import MAX_ERROR, Code, check_max_error
+from cerar._checks import check_int
+from cerar.coding.code import MAX_ERROR, Code
 from cerar.comm.collective.call import agree_call
-from cerar.comm.collective.checks import check_packet_dtype, check_wire_dtype
-from cerar.comm.collective.policies import NONFINITE_POLICIES
-from cerar.comm.collective.routes import Route, route_for, start
+from cerar.comm.collective.request import Settings
+from cerar.comm.collective.routes import Route, get_route, route_for, start
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.in_order import issue_in_order
 from cerar.comm.ring.groups import ring_of
 from cerar.comm.ring.thread import COMM
 from cerar.comm.ring.work import Work, chain
 
-__all__ = ["METHODS", "CerarProcessGroup", "GroupSettings", "RouteStats", "exact"]
+__all__ = ["CerarProcessGroup", "GroupSettings", "RouteStats", "exact"]
 
-#: The methods a group runs its coded all-reduces with: families of the route table
-#: (:mod:`cerar.comm.collective.routes`), the row chosen with ``packet_dtype``.
-METHODS = ("cerar", "ring", "auto", "hier-cerar", "hier-ring")
 _RED = dist.ReduceOp.RedOpType
 _OP_NAMES = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.MAX: "max", _RED.MIN: "min", _RED.PRODUCT: "product"}
+_FAMILIES = ("cerar", "ring", "hier-cerar", "hier-ring")
 
 
 @dataclass(frozen=True)
 class GroupSettings:
     """What a :class:`CerarProcessGroup` codes and how, checked when built (see
-    :func:`cerar.comm.group.create.new_group` for each setting)."""
+    :func:`cerar.comm.group.create.new_group` for each setting). ``method`` is a row of the
+    route table; the old form, a family (``"cerar"``, ``"ring"``) with a ``packet_dtype`` that a
+    row fixes or with ``ranks_per_node``, is turned into that row with a ``DeprecationWarning``."""
 
     method: str = "cerar"
     code: Code | None = None
@@ -81,29 +81,49 @@ class GroupSettings:
     ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
-        check_choice("method", self.method, METHODS)
-        if self.code is not None and not isinstance(self.code, Code):
-            raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(self.code).__name__}.")
-        if self.code is not None and self.method not in ("cerar", "hier-cerar"):
-            raise ValueError(f"Argument 'code' applies to method 'cerar' only, not to {self.method!r}.")
-        (check_wire_dtype if self.method in ("ring", "hier-ring") else check_packet_dtype)(self.packet_dtype)
-        check_max_error(self.max_error)
+        if not isinstance(self.method, str):
+            raise TypeError(f"Argument 'method' must be a row of the route table (a str), not {self.method!r}.")
         check_int("min_bytes", self.min_bytes, minimum=0)
-        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        check_int("ranks_per_node", self.ranks_per_node, minimum=1, optional=True)
-        if self.method == "auto" and self.ranks_per_node is not None:
+        row, packet = _row(self.method, self.packet_dtype, self.ranks_per_node)
+        if row != self.method:
+            warnings.warn(
+                f"cerar.new_group(method={self.method!r}, packet_dtype={self.packet_dtype}, ranks_per_node="
+                f"{self.ranks_per_node}) is deprecated: name the row, method={row!r}.",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            object.__setattr__(self, "method", row)
+            object.__setattr__(self, "packet_dtype", packet)
+        route = self.route
+        route.check(self.call_settings())
+        if route.family == "auto" and self.ranks_per_node is not None:
             raise ValueError(f"Argument 'ranks_per_node' does not apply to method 'auto', not {self.ranks_per_node}.")
-        if self.method.startswith("hier-") and self.ranks_per_node is None:
+        if route.hierarchical and self.ranks_per_node is None:
             raise ValueError(f"Argument 'ranks_per_node' must be given for method {self.method!r}, not None.")
 
     @property
     def route(self) -> Route:
-        """The route table's row the coded all-reduces take (``cerar`` with ``ranks_per_node``:
-        ``hier-cerar``; ``ring`` with a float16 ``packet_dtype``: ``ring-fp16``...)."""
-        method = self.method
-        if self.ranks_per_node is not None and not method.startswith("hier-"):
-            method = f"hier-{method}"
-        return route_for(method, self.packet_dtype)
+        """The route table's row the coded all-reduces take."""
+        return get_route(self.method)
+
+    def call_settings(self, context: dict[str, Any] | None = None) -> Settings:
+        """Every setting of the group's, for each coded call: the route decides what applies."""
+        return Settings(
+            code=self.code, nonfinite=self.nonfinite, packet_dtype=self.packet_dtype, max_error=self.max_error,
+            ranks_per_node=self.ranks_per_node, context=context,
+        )  # fmt: skip
+
+
+def _row(method: str, packet_dtype: torch.dtype | None, ranks_per_node: int | None) -> tuple[str, torch.dtype | None]:
+    """The row the old form names (a family, a packet dtype, ``ranks_per_node``), and the packet
+    dtype left for it to take (None where the row fixes the wire)."""
+    if method not in _FAMILIES:
+        return method, packet_dtype
+    family = method if ranks_per_node is None or method.startswith("hier-") else f"hier-{method}"
+    if packet_dtype in (None, torch.float32, torch.float64):
+        return family, packet_dtype
+    row = route_for(family, packet_dtype)
+    return row.name, None if row.wire is not None else packet_dtype
 
 
 @dataclass
@@ -196,27 +216,27 @@ class CerarProcessGroup(dist.ProcessGroup):
         opts = _options(dist.AllreduceCoalescedOptions, opts)
         return self._allreduce(tensors, opts.reduceOp, lambda ts: self.exact.allreduce_coalesced(ts, opts))
 
-    def codes(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
-        """Whether an all-reduce of ``tensors`` with ``op`` goes by the group's method."""
-        held = getattr(_EXACT, "groups", ())
-        if None in held or self in held or _op_name(op) not in ("sum", "avg"):
-            return False
-        least = self.settings.min_bytes
-        return bool(tensors) and all(
-            t.layout == torch.strided and t.is_floating_point() and t.numel() * t.element_size() >= least
-            for t in tensors
-        )
-
     def _allreduce(
         self, tensors: list[torch.Tensor], op: Any, handed: Callable[[list[torch.Tensor]], dist.Work]
     ) -> dist.Work:
-        name, nbytes, started = _op_name(op), sum(t.numel() * t.element_size() for t in tensors), time.perf_counter()
-        coded = self.codes(tensors, op)
+        name, started = _op_name(op), time.perf_counter()
+        # One walk: a float sum of dense tensors is agreed (its route decided alike on every
+        # rank), and coded if every tensor holds at least min_bytes, outside cerar.exact().
+        dense = bool(tensors) and name in ("sum", "avg")
+        large, nbytes = True, 0
+        for t in tensors:
+            size = t.numel() * t.element_size()
+            nbytes += size
+            dense = dense and t.layout == torch.strided and t.is_floating_point()
+            large = large and size >= self.settings.min_bytes
+        held = getattr(_EXACT, "groups", ())
+        under_exact = None in held or self in held
+        coded = dense and large and not under_exact
         route = "cerar" if coded else "exact"
         # Gloo sums a strided view wrongly and writes outside it: the exact group gets a contiguous
         # copy, written back (the coded route works on any layout itself).
         copies = tensors if coded else [_contiguous(t) for t in tensors]
-        settings = self._deciding(tensors, op, coded)
+        settings = self._deciding(under_exact, coded) if dense else None
         if coded:
             future = self._coded(tensors, name, settings).future
         else:
@@ -241,16 +261,12 @@ class CerarProcessGroup(dist.ProcessGroup):
         devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
         return Work(chain(future, timed, devices))
 
-    def _deciding(self, tensors: list[torch.Tensor], op: Any, coded: bool) -> dict[str, Any] | None:
-        """The settings that decide how this all-reduce goes, which every rank must share (agreed
-        in the call's handshake, the first that differs named on every rank); None where none
-        does (not a float SUM or AVG of dense tensors: the exact group's on every rank)."""
-        dense = all(t.layout == torch.strided and t.is_floating_point() for t in tensors)
-        if not tensors or not dense or _op_name(op) not in ("sum", "avg"):
-            return None
-        s, held = self.settings, getattr(_EXACT, "groups", ())
+    def _deciding(self, under_exact: bool, coded: bool) -> dict[str, Any]:
+        """The settings that decide how a float sum of dense tensors goes, which every rank must
+        share (agreed in the call's handshake, the first that differs named on every rank)."""
+        s = self.settings
         return {
-            "cerar.exact()": None in held or self in held, "min_bytes": s.min_bytes, "group method": s.method,
+            "cerar.exact()": under_exact, "min_bytes": s.min_bytes, "group method": s.method,
             "packet_dtype": str(s.packet_dtype), "code": None if s.code is None else s.code.fingerprint,
             "max_error": s.max_error, "nonfinite": s.nonfinite, "ranks_per_node": s.ranks_per_node,
             "route": "coded" if coded else "exact",
@@ -259,21 +275,8 @@ class CerarProcessGroup(dist.ProcessGroup):
     def _coded(self, tensors: list[torch.Tensor], op: str, settings: dict[str, Any] | None = None) -> Work:
         """Each tensor by the group's row of the route table, asynchronously, in place, its
         ``settings`` agreed in its handshake."""
-        s = self.settings
-        route = s.route
-        options: dict[str, Any] = {"nonfinite": s.nonfinite, "max_error": s.max_error, "context": settings}
-        if route.coded:
-            options.update(code=s.code, packet_dtype=None if route.wire else s.packet_dtype)
-        if route.hierarchical:
-            options["ranks_per_node"] = s.ranks_per_node
-        if route.method in ("ring", "hier-ring"):
-            options = {"ranks_per_node": s.ranks_per_node} if route.hierarchical else {}
-            options["context"] = settings
-            if route.wire in ("int8", "fp8"):
-                options["nonfinite"] = s.nonfinite
-            if route.wire is None:
-                options["packet_dtype"] = s.packet_dtype if s.packet_dtype in (torch.float32, torch.float64) else None
-        works = [start(route, t, op, self.transport, True, **options) for t in tensors]
+        route, options = self.settings.route, self.settings.call_settings(settings)
+        works = [start(route, t, op, self.transport, True, **vars(options)) for t in tensors]
         return Work.gather([w for w in works if w is not None], tensors)
 
 

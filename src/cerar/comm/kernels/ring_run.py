@@ -1,5 +1,16 @@
-"""The exact ring all-reduce (reduce-scatter, then all-gather) on cerar's engine, optionally with a
-16-bit wire: the baseline that isolates CERAR's coding gain, on the same transport."""
+"""The ring all-reduce (reduce-scatter, then all-gather) on cerar's engine, in any wire
+(:mod:`cerar.comm.kernels.wires`): the exact ring, the 16-bit rings and the block-quantized rings
+are this one program with another codec.
+
+``2 (N - 1)`` rounds; each chunk is cut into the wire's pieces (:meth:`Codec.spans`: about
+256 KiB apiece, whole blocks for a block wire) pipelined by
+:func:`cerar.comm.ring.engine.run_program`. Round 1 encodes the rank's own chunk; a
+reduce-scatter hop decodes what arrived, adds the rank's own chunk and encodes the partial sum
+into the next packet, in one pass (the block wires' compiled dequantize-add-requantize, or torch
+ops); the owner of a fully reduced chunk keeps what it sends; the all-gather forwards each packet
+unchanged and decodes it off the critical path. Every rank thus ends with bitwise the same
+values, which :func:`cerar.protocol.simulate_ring.simulate_ring` computes step for step.
+"""
 
 from __future__ import annotations
 
@@ -9,57 +20,57 @@ import math
 import torch
 
 from cerar.comm.kernels.decode import scale_by_power_of_two
+from cerar.comm.kernels.wires import Wire
 from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.engine import Action, Piece, Program, run_program, segments
+from cerar.comm.ring.engine import Action, Piece, Program, run_program
 from cerar.comm.ring.links import Ring
 from cerar.comm.ring.stats import CommStats
 
 __all__ = ["run_ring"]
 
 
-def run_ring(
-    flat: torch.Tensor,
-    ring: Ring,
-    stats: CommStats,
-    wire_dtype: torch.dtype | None = None,
-    scale_exponent: int = 0,
-) -> torch.Tensor:
-    """Exact ring all-reduce (reduce-scatter then all-gather) of the contiguous 1-d ``flat``,
-    in place. With ``wire_dtype`` the chunks travel in that dtype and are accumulated in
-    ``flat``'s dtype; the values are divided by ``2**scale_exponent`` before the ring and
-    multiplied back after (exact), to keep float16 sums in range."""
-    n = ring.size
-    d = flat.numel()
+def run_ring(flat: torch.Tensor, ring: Ring, stats: CommStats, wire: Wire, scale_exponent: int = 0) -> torch.Tensor:
+    """The ring all-reduce (sum) of the contiguous 1-d ``flat`` in ``wire``, in place; ``flat``'s
+    dtype must be the wire's working dtype (float32 for a block wire). The values are divided by
+    ``2**scale_exponent`` before the ring and multiplied back after (exact), to keep the wire's
+    values in its range. Bytes and rounds are counted in ``stats`` at the transport."""
+    if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != wire.work_dtype(flat.dtype):
+        shape = tuple(flat.shape)
+        raise ValueError(
+            f"Argument 'flat' must be a contiguous 1-d tensor of the {wire.name} wire's working dtype, "
+            f"not {flat.dtype} of shape {shape}."
+        )
+    n, d = ring.size, flat.numel()
     chunk = math.ceil(d / n)
-    wire = wire_dtype or flat.dtype
     padded = WORKSPACE.padded("ring_padded", flat, n * chunk)
     scale_by_power_of_two(padded, -scale_exponent)
     chunks = padded.view(n, chunk)
-    send = WORKSPACE.get("ring_send", (2, chunk), wire, flat.device)
-    recv = WORKSPACE.get("ring_recv", (2, chunk), wire, flat.device)
-    widened = WORKSPACE.get("ring_widened", (chunk,), flat.dtype, flat.device) if wire != flat.dtype else None
+    codec = wire.codec(flat.dtype, flat.device)
+    spans = codec.spans(chunk)
+    stride = spans[-1].offset + spans[-1].size if spans else 0
+    send = WORKSPACE.get("ring_send", (2, stride), codec.buffer_dtype, flat.device)
+    recv = WORKSPACE.get("ring_recv", (2, stride), codec.buffer_dtype, flat.device)
     r = ring.rank
     owned = (r + 1) % n  # fully reduced here after the reduce-scatter
     rounds = []
     for t in range(1, 2 * (n - 1) + 1):
         pieces = []
-        for a, b in segments(chunk, flat.element_size()):
-            out, arrived = send[t % 2, a:b], recv[t % 2, a:b]
-            index = (r - t + 1) % n if t < n else (r + 1 - (t - n)) % n
-            prepare: Action = functools.partial(out.copy_, chunks[index, a:b])
-            if t == n and wire != flat.dtype:
-                # Every rank must end with the same values: the owner keeps what it sends.
-                prepare = functools.partial(_both, functools.partial(_round_to, chunks[owned, a:b], wire), prepare)
-            received: Action
-            if t < n:  # reduce-scatter: accumulate in flat's dtype
-                into = chunks[(r - t) % n, a:b]
-                if widened is not None:
-                    received = functools.partial(_add_widened, into, arrived, widened[a:b])
-                else:
-                    received = functools.partial(into.add_, arrived)
-            else:  # all-gather: take the owner's values
-                received = functools.partial(chunks[(r - (t - n)) % n, a:b].copy_, arrived)
-            pieces.append(Piece(out, arrived, prepare, received))
+        for a, b, offset, size in spans:
+            out, arrived = send[t % 2, offset : offset + size], recv[t % 2, offset : offset + size]
+            before = recv[(t - 1) % 2, offset : offset + size]  # what round t - 1 brought
+            prepare: Action
+            if t == 1:  # this rank's own chunk
+                prepare = functools.partial(codec.encode, chunks[r, a:b], out)
+            elif t < n:  # the partial sum: what arrived plus this rank's chunk
+                prepare = functools.partial(codec.add_encode, chunks[(r - t + 1) % n, a:b], before, out, False)
+            elif t == n:  # the full sum: the owner keeps what it sends
+                prepare = functools.partial(codec.add_encode, chunks[owned, a:b], before, out, True)
+            else:  # the all-gather forwards the packet unchanged
+                prepare = functools.partial(out.copy_, before)
+            landed: Action | None = None
+            if t >= n:  # the owner's values, off the critical path (while the next round is on the wire)
+                landed = functools.partial(codec.decode, arrived, chunks[(r - (t - n)) % n, a:b])
+            pieces.append(Piece(out, arrived, prepare, None, landed))
         rounds.append(pieces)
     run_program(ring, stats, Program(rounds, flat.device))
     scale_by_power_of_two(padded, scale_exponent)
@@ -67,17 +78,3 @@ def run_ring(
         flat.copy_(padded[:d])
     stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
     return flat
-
-
-def _both(first: Action, second: Action) -> None:
-    first()
-    second()
-
-
-def _round_to(values: torch.Tensor, wire: torch.dtype) -> None:
-    values.copy_(values.to(wire))
-
-
-def _add_widened(into: torch.Tensor, arrived: torch.Tensor, widened: torch.Tensor) -> None:
-    widened.copy_(arrived)
-    into.add_(widened)

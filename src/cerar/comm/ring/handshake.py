@@ -123,6 +123,7 @@ class Proposal(NamedTuple):
 
     max_abs: float = 0.0  # the data's ``max|x|`` where the call measured it (0: not measured)
     scale_exponent: int = 0  # the exponent this rank proposes
+    nonfinite_rank: int = 0  # 1 + this rank's group rank where its input is not finite, else 0
 
 
 NO_PROPOSAL = Proposal()  # a call with nothing to scale (the exact ring in its wire dtype)
@@ -137,6 +138,7 @@ class Agreed(NamedTuple):
 
     max_abs: float  # the largest ``max|x|`` sent
     scale_exponent: int  # the largest exponent proposed
+    nonfinite_rank: int = 0  # 1 + the highest group rank whose input is not finite, else 0
 
 
 class OpenHandshake:
@@ -213,7 +215,7 @@ class OpenHandshake:
             texts = gather_text(self.ring, f"{made}, call #{self.counter}", self.device)
             lines = "; ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
             raise SettingsMismatchError(f"cerar: ranks called the collective with {what}: {lines}")
-        return Agreed(total[4], int(total[5]))
+        return Agreed(total[4], int(total[5]), int(total[6]))
 
 
 def open_handshake(
@@ -228,6 +230,7 @@ def open_handshake(
 ) -> OpenHandshake:
     """Run the handshake's first hop (:class:`OpenHandshake`); ``finish()`` completes it."""
     fields = [settings, -settings, float(counter), -float(counter), proposal.max_abs, float(proposal.scale_exponent)]
+    fields.append(float(proposal.nonfinite_rank))
     own = torch.tensor(fields, dtype=torch.float64, device=device or "cpu")
     return OpenHandshake(ring, own, counter, summary, device, stats)
 

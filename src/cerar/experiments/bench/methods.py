@@ -1,6 +1,10 @@
 """The all-reduce methods ``cerar bench`` compares: one :class:`AllReduceMethod` per row of the route
 table (:mod:`cerar.comm.collective.routes`), the exact row under the bench's name ``builtin``.
 
+``--methods`` takes the rows' names and the bench's own names (:data:`ALIASES`: ``exact`` is
+``builtin``); the results, tables and plots name a method by the bench's name, whichever was typed,
+so old results and new ones read alike (:func:`canonical_name`, :func:`method_names`).
+
 A row says how to call it, how many bytes and rounds it needs in theory and whether its transport
 reports the bytes it really sent; a method added to the table is a method of the bench.
 """
@@ -94,6 +98,8 @@ class AllReduceMethod:
 
 
 BASELINE = "builtin"
+#: The rows the bench calls by another name: ``--methods`` takes either, the results keep the bench's.
+ALIASES = {"exact": BASELINE}
 
 
 def _ranks_per_node() -> int | None:
@@ -105,17 +111,15 @@ def _ranks_per_node() -> int | None:
 
 
 def _call(row: str) -> Call:
-    """``call(tensor, code, stats, **options)``: one sum by the route table's row ``row``."""
+    """``call(tensor, code, stats, **options)``: one sum by the route table's row ``row``, which
+    takes what applies to it (the launcher's nodes, the code)."""
 
     def call(tensor: Any, code: Code | None, stats: CommStats | None, **options: Any) -> None:
         from cerar.comm.collective.routes import get_route, start
 
         route = get_route(row)
-        if route.coded:
-            options["code"] = code
-        if route.hierarchical:
-            options["ranks_per_node"] = _ranks_per_node()
-        start(route, tensor, stats=stats, **options)
+        given = {"code": code, "ranks_per_node": _ranks_per_node(), **options}  # the nodes: read as the rank runs
+        start(route, tensor, stats=stats, **route.applicable(given))
 
     return call
 
@@ -145,8 +149,8 @@ def _methods() -> dict[str, AllReduceMethod]:
 
     methods = {}
     for route in ROUTES.values():
-        name = BASELINE if route.name == "exact" else route.name
-        auto = route.method == "auto"
+        name = ALIASES.get(route.name, route.name)
+        auto = route.family == "auto"
         methods[name] = AllReduceMethod(
             name,
             "torch.distributed.all_reduce on Gloo (the baseline)" if name == BASELINE else route.description,
@@ -168,9 +172,23 @@ def _methods() -> dict[str, AllReduceMethod]:
 ALL_REDUCE_METHODS: dict[str, AllReduceMethod] = _methods()
 
 
+def canonical_name(name: str) -> str:
+    """The bench's name of the method ``name`` (a row's name or the bench's: ``exact`` is
+    ``builtin``); an unknown name raises ``ValueError`` naming the argument, the value and the
+    names accepted."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in ALL_REDUCE_METHODS:
+        raise ValueError(f"Argument 'methods' must name methods among {method_names()}, not {name!r}.")
+    return canonical
+
+
+def method_names() -> str:
+    """The names ``--methods`` accepts, in the route table's order, a row the bench calls otherwise
+    with the bench's name: ``exact (= builtin), torch-fp16, ...``."""
+    rows = {bench: row for row, bench in ALIASES.items()}
+    return ", ".join(f"{rows[name]} (= {name})" if name in rows else name for name in ALL_REDUCE_METHODS)
+
+
 def get_method(name: str) -> AllReduceMethod:
-    """The registered method called ``name``."""
-    if name not in ALL_REDUCE_METHODS:
-        listed = ", ".join(repr(m) for m in ALL_REDUCE_METHODS)
-        raise ValueError(f"Argument 'methods' must name methods among {listed}, not {name!r}.")
-    return ALL_REDUCE_METHODS[name]
+    """The registered method called ``name`` (or by its row's name, :data:`ALIASES`)."""
+    return ALL_REDUCE_METHODS[canonical_name(name)]
