@@ -355,6 +355,8 @@ def test_command_line_defaults() -> None:
     # a flag given on the command line wins over --quick's preset
     quick = config_from_args(_args("--quick", "--iters", "3", "--sizes", "4M,64K", "--methods", "builtin,cerar"))
     assert quick.iters == 3 and quick.sizes_bytes == (64 << 10, 4 * MiB) and quick.methods == ("builtin", "cerar")
+    # the route table's row names too: exact is the bench's builtin, the name its results keep
+    assert config_from_args(_args("--methods", "exact,ring-int8,cerar")).methods == ("builtin", "ring-int8", "cerar")
     # iters from 16 MB up; below, proportionally more, at most 12x
     assert [config.iterations_for(size) for size in (64 * MiB, 16 * MiB, 4 * MiB, 3 * MiB, MiB)] == [5, 5, 20, 27, 60]
     assert [quick.iterations_for(size) for size in (16 * MiB, 4 * MiB, 2 * MiB, 64 << 10)] == [3, 12, 24, 36]

@@ -217,14 +217,14 @@ def test_cerar_train_end_to_end(
 
     out = tmp_path / "train"
     argv = [
-        "train", "-N", "2", "--regime", "fast", "--methods", "allreduce", "cerar", "powersgd:1:start4",
+        "train", "-N", "2", "--regime", "fast", "--methods", "exact", "cerar", "powersgd:1:start4",
         "--noise-seeds", "2", "--steps", "12", "--eval-every", "6", "--batch-size", "2",
         "--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "32", "--warmup-steps", "2",
         "--eval-sequences", "8", "--resync-every", "5", "--timeout-s", "120", "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    for label in ("allreduce-s0", "allreduce-s1", "cerar-c4-s0", "powersgd-r1-start4-s0"):
+    for label in ("allreduce-s0", "allreduce-s1", "cerar-c4-s0", "powersgd-r1-start4-s0"):  # exact: allreduce's
         assert label in printed
         assert (out / "runs" / f"{label}.json").is_file()
     assert (out / "loss.png").stat().st_size > 0 and (out / "breakdown.png").stat().st_size > 0
@@ -315,7 +315,12 @@ def test_plan_rejects_repeated_runs() -> None:
         plan_runs(args)
     args = build_parser(only="train").parse_args(["train", "-N", "4"])
     labels = [c.label for c in plan_runs(args)]
-    assert labels == ["allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "powersgd-r4-s0"]
+    assert labels == [
+        "allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "int8-s0", "powersgd-r4-s0",
+    ]  # fmt: skip
+    args = build_parser(only="train").parse_args(["train", "--methods", "exact", "allreduce", "-N", "4"])
+    with pytest.raises(ValueError, match=r"Argument 'methods' must not repeat a run, not \['allreduce-s0', "):
+        plan_runs(args)  # a row and its alias are the same run
 
 
 @pytest.mark.slow

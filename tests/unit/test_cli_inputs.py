@@ -77,6 +77,8 @@ ROWS: list[tuple[str, str]] = [
     ("bench --rate abc", r"Argument 'rate' must be a tc rate such as '400mbit' or '1gbit', not 'abc'\."),
     ("bench --rate 0mbit", r"Argument 'rate' must be a tc rate .*, not '0mbit'\."),
     ("bench --methods nope", r"Argument 'methods' must name methods among .*, not 'nope'\."),
+    ("bench --methods exact,ring-int8,nope", r"Argument 'methods' must name methods among exact \(= builtin\), "
+     r".*ring-int8, .*, not 'nope'\."),
     ("bench --out {tmp}/afile/x", r"Argument 'out' must be a folder this process can write, not '.*afile/x' "
      r"\('.*afile' is a file\)\."),
     ("bench --out {tmp}/out --json {tmp}/afile/x.json", r"Argument 'json' must be a file this process can write, "
@@ -99,6 +101,14 @@ ROWS: list[tuple[str, str]] = [
     ("train --steps 0", r"Argument 'steps' must be at least 1, not 0\."),
     ("train --noise-seeds 0", r"Argument 'noise_seeds' must be at least 1, not 0\."),
     ("train --methods bogus", r"Argument 'method' must be one of .*, not 'bogus'\."),
+    ("train --methods exact cerar:8 nccl", r"Argument 'method' must be one of exact \(= allreduce\), .*ring-int8 "
+     r"\(= int8\), .*powersgd, or a schedule or process group around one, 'accum', .*'hsdp', not 'nccl'\."),
+    ("train --methods ring-fp16", r"Argument 'method' must be one of .*, not 'ring-fp16' \(under group:/hsdp: only\)"),
+    ("train --methods group:torch-fp16", r"Argument 'method' of group and hsdp must be one of exact \(= allreduce\), "
+     r"ring, ring-fp16 \(= fp16\), .*, not 'torch-fp16' \(not under group:/hsdp:\)\."),
+    ("train --methods cerar-fp16:8:bf16", r"Argument 'method' must look like 'cerar-fp16:8' or 'cerar-fp16:3N' .*, "
+     r"not 'cerar-fp16:8:bf16'\."),
+    ("train --methods exact allreduce", r"Argument 'methods' must not repeat a run, not \['allreduce-s0', "),
     ("train --bucket-cap-mb abc", r"Argument 'bucket_cap_mb' must be a size in MB .*, not 'abc'\."),
     # train: schedules whose averaging would never happen within --steps
     ("train --methods localsgd:4 --steps 10", r"Argument 'steps' must exceed warmup_steps=20 for localsgd .*, not 10"),
@@ -276,3 +286,90 @@ def test_schedules_that_average_within_the_steps_are_accepted() -> None:
     for spec, steps in (("localsgd:4", 21), ("diloco:50", 50)):
         method, overrides = parse_method(spec, 4)
         assert TrainConfig(method=method, steps=steps, warmup_steps=20, **overrides).steps == steps
+
+
+# ---------------------------------------------------------------------------------------------
+# One method vocabulary: the route table's rows, the commands' own names as their aliases
+
+
+def _train_runs(*argv: str) -> list[Any]:
+    from cerar.cli import build_parser
+    from cerar.cli.train import plan_runs
+
+    return plan_runs(build_parser(only="train").parse_args(["train", "-N", "4", *argv]))
+
+
+@pytest.mark.parametrize(
+    ("row", "alias"),
+    [
+        ("exact", "allreduce"), ("torch-fp16", "fp16"), ("torch-bf16", "bf16"), ("ring-int8", "int8"),
+        ("ring-fp8", "fp8"), ("ring", "ring"), ("cerar-fp16", "cerar:2N:fp16"), ("cerar-fp16:8", "cerar:8:fp16"),
+        ("cerar-bf16:3N", "cerar:3N:bf16"), ("auto:1e-3", "auto:1e-3"), ("group:ring-fp16", "group:fp16"),
+        ("group:ring-int8", "group:int8"), ("hsdp:ring-int8", "hsdp:int8"), ("hsdp:exact", "hsdp:allreduce"),
+        ("group:cerar-fp16:8", "group:cerar:8:fp16"), ("diloco:10:ring-int8", "diloco:10:int8"),
+        ("localsgd:10:torch-fp16", "localsgd:10:fp16"), ("accum:2:exact", "accum:2"),
+        ("diloco:10:lr0.5:cerar-fp16:8", "diloco:10:lr0.5:cerar:8:fp16"),
+    ],
+)  # fmt: skip
+def test_train_takes_the_rows_and_their_aliases_alike(row: str, alias: str) -> None:
+    by_row, by_alias = _train_runs("--methods", row), _train_runs("--methods", alias)
+    assert by_row == by_alias  # the same runs: configs, labels and seeds (exact's noise seeds too)
+    assert [c.label for c in by_row] == [c.label for c in by_alias]
+
+
+def test_train_alias_table_names_rows_of_the_route_table() -> None:
+    from cerar.comm.collective.routes import ROUTES
+    from cerar.experiments.train.installed import ROWS
+    from cerar.experiments.train.methods import HOOKS, ROW_NAMES
+
+    assert set(ROW_NAMES) <= set(ROUTES), sorted(set(ROW_NAMES) - set(ROUTES))
+    for row, (hooked, grouped) in ROW_NAMES.items():
+        for meaning in (hooked, grouped):
+            if meaning is not None:
+                assert meaning.partition(":")[0] in HOOKS, (row, meaning)
+        if hooked is not None and hooked in ROWS:  # the row a hook or a schedule's average runs
+            assert ROWS[hooked] == row, (row, hooked)
+
+
+def test_train_defaults_include_the_int8_ring() -> None:
+    from cerar.experiments.train.campaign import DEFAULT_METHODS
+
+    assert "ring-int8" in DEFAULT_METHODS
+    labels = [c.label for c in _train_runs()]
+    assert labels == ["allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "int8-s0",
+                      "powersgd-r4-s0"]  # fmt: skip
+    assert labels == [c.label for c in _train_runs("--methods", "allreduce", "cerar:2N", "cerar:3N", "fp16", "int8",
+                                                   "powersgd")]  # fmt: skip
+
+
+def test_bench_takes_the_rows_and_their_aliases_alike() -> None:
+    from cerar.experiments.bench.config import DEFAULT_METHODS, BenchConfig
+
+    assert "ring-int8" in DEFAULT_METHODS
+    by_row = BenchConfig(methods=("exact", "ring-int8", "cerar-fp16"))
+    assert by_row == BenchConfig(methods=("builtin", "ring-int8", "cerar-fp16"))
+    assert by_row.methods == ("builtin", "ring-int8", "cerar-fp16")  # the results keep the bench's names
+    assert BenchConfig(methods=("exact", "builtin", "ring")).methods == ("builtin", "ring")
+    assert BenchConfig(methods=("exact", *DEFAULT_METHODS[1:])).methods == DEFAULT_METHODS
+
+
+@pytest.mark.parametrize(
+    ("command", "listed"),
+    [
+        ("train", ["exact (= allreduce)", "torch-fp16 (= fp16)", "ring-int8 (= int8)", "ring-fp8 (= fp8)",
+                   "cerar-fp16 (= cerar:2N:fp16)", "ring-fp16 (= fp16)", "powersgd", "'ring-int8'"]),
+        ("bench", ["exact (= builtin)", "ring-int8", "cerar-fp16", "auto"]),
+    ],
+)  # fmt: skip
+def test_help_lists_the_names_and_their_aliases(
+    command: str, listed: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100000")  # one line per option: the names unbroken
+    status, out, _, _ = _run([command, "--help"], capsys)
+    assert status == "SystemExit(0)"
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.lstrip().startswith("--methods"))
+    end = next(i for i in range(first + 1, len(lines)) if lines[i].startswith("  -"))  # the next option
+    methods = " ".join(lines[first:end])
+    for name in listed:
+        assert name in methods, (name, methods)

@@ -44,12 +44,12 @@ def test_bench_checks_its_extras_before_measuring(
 def test_train_checks_its_extras_before_launching(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import cerar.cli.train
+    import cerar.experiments.train.campaign
 
     def no_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("cerar train launched without its extras")
 
-    monkeypatch.setattr(cerar.cli.train, "_run_all", no_run)
+    monkeypatch.setattr(cerar.experiments.train.campaign, "run_all", no_run)
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert main(["train", "-N", "2", "--regime", "fast"]) == 2
     assert "cerar train needs transformers: pip install 'cerar[train]'" in capsys.readouterr().err

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cerar.cli.train import _target_rule
 from cerar.experiments.train import report
+from cerar.experiments.train.campaign import target_rule as _target_rule
 
 
 def _run(name: str, method: str, cap: float, step_s: float, loss: float) -> SimpleNamespace:

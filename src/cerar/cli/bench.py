@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="time all-reduce methods on fast (loopback) and slow (rate-limited) networks",
         description=(
-            "Launch N local ranks and time builtin (Gloo), the ring with float16 and bfloat16 wires, "
+            "Launch N local ranks and time exact (Gloo's all-reduce; results call it builtin, also accepted), the "
+            "ring with float16, bfloat16 and int8 wires, "
             "cerar (per c) with float32 and float16 packets and auto (method='auto', its calibration "
             "untimed; ring, cerar-bf16 on request) for each size, the methods of a size taking turns "
             "call by call, on loopback (fast) and on "

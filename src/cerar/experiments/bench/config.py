@@ -14,7 +14,7 @@ from cerar._checks import check_choice, check_float, check_int, format_size, par
 from cerar.coding import codes
 from cerar.coding.code import MAX_ERROR
 from cerar.experiments._flags import flag
-from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, BASELINE, get_method
+from cerar.experiments.bench.methods import BASELINE, canonical_name, get_method, method_names
 from cerar.harness import netem
 from cerar.harness.launch import DEFAULT_RATE, LAUNCHERS, RENDEZVOUS
 
@@ -108,7 +108,8 @@ class BenchConfig:
     methods: tuple[str, ...] = field(
         default=DEFAULT_METHODS,
         metadata=flag(
-            f"comma list of {', '.join(ALL_REDUCE_METHODS)}",
+            f"comma list of the route table's rows, each '= the bench's name' where it has one (the name the "
+            f"results, table and plots keep, whichever was typed): {method_names()}",
             parse=_names,
             default_text=f"{','.join(DEFAULT_METHODS)}; with nodes {','.join(NODE_METHODS)}",
         ),
@@ -149,9 +150,11 @@ class BenchConfig:
         if n % g:
             raise ValueError(f"Argument 'ranks_per_node' must divide world_size {n}, not {g}.")
         object.__setattr__(self, "nodes", n // g)
+        # The bench's names (exact: builtin), each once: the name the results keep.
+        object.__setattr__(self, "methods", tuple(dict.fromkeys(canonical_name(name) for name in self.methods)))
         if g > 1 and tuple(self.methods) == DEFAULT_METHODS:  # nodes: compare the hierarchical methods too
             object.__setattr__(self, "methods", NODE_METHODS)
-        hierarchical = [name for name in self.methods if name in ALL_REDUCE_METHODS and get_method(name).hierarchical]
+        hierarchical = [name for name in self.methods if get_method(name).hierarchical]
         if hierarchical and n // g < 2:
             raise ValueError(f"Argument 'nodes' must be at least 2 for methods {hierarchical}, not {n // g}.")
         if not self.sizes_bytes:
@@ -170,10 +173,10 @@ class BenchConfig:
                 raise ValueError(
                     f"Argument 'components' must equal world_size ({n}) for construction 'exact', not {list(comps)}."
                 )
-        for name in self.methods:
-            get_method(name)
         if BASELINE not in self.methods:
-            raise ValueError(f"Argument 'methods' must include the baseline {BASELINE!r}, not {self.methods}.")
+            raise ValueError(
+                f"Argument 'methods' must include the baseline {BASELINE!r} (the row 'exact'), not {self.methods}."
+            )
         if not self.regimes:
             raise ValueError("Argument 'regime' must name at least one regime, not ().")
         for regime in self.regimes:

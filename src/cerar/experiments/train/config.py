@@ -17,7 +17,7 @@ from typing import Any
 from cerar._checks import check_choice, check_float, check_int
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.experiments._flags import add_flags, flag, flag_group, from_flags
-from cerar.experiments.train.methods import HOOKS, POWERSGD_START
+from cerar.experiments.train.methods import HOOKS, POWERSGD_START, ROW_NAMES, method_names, resolve
 from cerar.experiments.train.parallel import PARALLELS, check_parallel
 from cerar.experiments.train.schedules import (
     DEFAULT_OUTER_LR,
@@ -305,25 +305,40 @@ class TrainConfig:
 PACKETS = ("fp16", "bf16")
 
 
-def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
+def parse_method(spec: str, world_size: int, grouped: bool = False) -> tuple[str, dict[str, Any]]:
     """``"cerar"``, ``"cerar:12"``, ``"cerar:3N"``, ``"cerar:8:fp16"``, ``"cerar:2N:bf16"``,
     ``"powersgd:2"``, ``"powersgd:2:start50"``, ``"auto:1e-3"``, ``"fp16"``... into
     ``(method, overrides)`` with ``overrides`` the TrainConfig fields it sets (the hook's
     :attr:`~cerar.experiments.train.methods.Hook.parameter`, and ``packet``). A schedule's spec
     (``"accum:4"``, ``"diloco:10:cerar:8:fp16"``) gives the method underneath, its overrides
     adding ``schedule`` and ``period`` (:func:`cerar.experiments.train.schedules.parse_schedule`);
-    a process group's (``"group:cerar:8"``, ``"hsdp:auto:2e-2"``), ``parallel``."""
+    a process group's (``"group:cerar:8"``, ``"hsdp:auto:2e-2"``), ``parallel``.
+
+    The route table's row names mean the method each is
+    (:data:`~cerar.experiments.train.methods.ROW_NAMES`): ``"exact"`` parses as ``"allreduce"``,
+    ``"ring-int8"`` as ``"int8"``, ``"cerar-fp16:8"`` as ``"cerar:8:fp16"``, ``"group:ring-fp16"``
+    as ``"group:fp16"`` (``grouped``: the method under ``group:``/``hsdp:``)."""
     world_size = check_int("world_size", world_size, minimum=1)
     if not isinstance(spec, str):
         raise TypeError(f"Argument 'method' must be a string, not {spec!r}.")
     name, _, param = spec.partition(":")
-    if check_choice("method", name, (*HOOKS, *SCHEDULES, *PARALLELS)) in SCHEDULES:
+    if name not in (*HOOKS, *ROW_NAMES, *SCHEDULES, *PARALLELS):
+        raise ValueError(f"Argument 'method' must be one of {_spec_names()}, not {name!r}.")
+    if name in SCHEDULES:
         return parse_schedule(spec, world_size, parse_method)
     if name in PARALLELS:  # group:<method>, hsdp:<method> (its kN: N the nodes, as passed)
-        inner, overrides = parse_method(param or "allreduce", world_size)
+        inner, overrides = parse_method(param or "allreduce", world_size, grouped=True)
         return inner, {**overrides, "parallel": name}
+    name, row_packet = resolve(name, grouped)
     hook = HOOKS[name]
     param, _, packet = param.partition(":")
+    if row_packet is not None:  # cerar-fp16[:c|:kN]: cerar[:c|:kN]:fp16
+        if packet:
+            raise ValueError(
+                f"Argument 'method' must look like '{spec.partition(':')[0]}:8' or '{spec.partition(':')[0]}:3N' "
+                f"(its packets are {row_packet}), not {spec!r}."
+            )
+        packet = row_packet
     if name == "powersgd" and packet:  # powersgd:2:start50, the exact steps before compression
         start = re.fullmatch(r"start(\d+)", packet)
         if start is None or not param:
@@ -336,7 +351,10 @@ def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
                 f"Argument 'method' takes a packet precision only as 'cerar:8:fp16' or 'cerar:2N:bf16' "
                 f"(one of {', '.join(PACKETS)}), not {spec!r}."
             )
-        name, overrides = parse_method(f"{name}:{param}" if param else name, world_size)
+        try:
+            name, overrides = parse_method(f"{name}:{param}" if param else name, world_size)
+        except ValueError as exc:
+            raise ValueError(f"{str(exc).rstrip('.')} (in {spec!r}).") from None
         return name, {**overrides, "packet": packet}
     if not param:
         return name, ({hook.parameter: 2 * world_size} if hook.per_rank and hook.parameter else {})
@@ -360,6 +378,12 @@ def parse_method(spec: str, world_size: int) -> tuple[str, dict[str, Any]]:
     return name, {hook.parameter: value}
 
 
+def _spec_names() -> str:
+    """What a spec may start with: the rows' and methods' names, the schedules, the groups."""
+    around = ", ".join(repr(name) for name in (*SCHEDULES, *PARALLELS))
+    return f"{method_names()}, or a schedule or process group around one, {around}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Command-line form, shared by `cerar train` and the workers (so they also run under torchrun):
 # the flags are the fields' own (:mod:`cerar.experiments._flags`).
@@ -377,6 +401,7 @@ def config_from_args(
     spec's parameter wins over ``--powersgd-rank``. ``nodes``: the ``M`` of a hierarchical
     method's ``kN`` (its code is for the nodes)."""
     base = inner_spec(method).partition(":")[0]  # a schedule's: the method underneath
+    base = resolve(base)[0] if base in ROW_NAMES and ROW_NAMES[base][0] else base  # a row's name: its method
     hierarchical = HOOKS[base].hierarchical if base in HOOKS else base == "hsdp"
     name, overrides = parse_method(method, nodes if hierarchical and nodes else world_size)
     return from_flags(args, TrainConfig, method=name, seed=seed, **overrides)

@@ -64,6 +64,12 @@ all-reduce (PowerSGD: of the uncompressed tensors and its P and Q factors); repo
 The names in :data:`HOOKS` are the ones :class:`~cerar.experiments.train.config.TrainConfig`
 accepts, so this module imports no config (and loads torch only when a hook is installed: the
 config, and ``cerar train --help``, load without it).
+
+``--methods`` also takes the route table's row names (:mod:`cerar.comm.collective.routes`),
+:data:`ROW_NAMES`: ``exact`` is ``allreduce``, ``torch-fp16`` is ``fp16``, ``ring-int8`` is
+``int8``, ``cerar-fp16:8`` is ``cerar:8:fp16``... (:func:`resolve`). A run is named by its
+method here (``allreduce-s0``, ``int8-s0``) whichever spelling was typed, so the results of old
+runs and new ones read alike.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ if TYPE_CHECKING:
 
     from cerar.experiments.train.timeline import Timeline
 
-__all__ = ["HOOKS", "POWERSGD_START", "Hook", "install"]
+__all__ = ["HOOKS", "POWERSGD_START", "ROW_NAMES", "Hook", "install", "method_names", "resolve"]
 
 POWERSGD_START = 10  # PowerSGD's exact warm-up steps (torch's default, 1000, is for long runs)
 
@@ -359,3 +365,62 @@ class _SerialHook:
 
         self._executor.submit(run_bucket)
         return result
+
+
+#: ``--methods``' one vocabulary: each route-table row (:mod:`cerar.comm.collective.routes`) a
+#: training method runs, and the method it is here: ``(with a DDP hook or a schedule, under a
+#: process group)``, each ``"name"`` or ``"name:packet"`` (``cerar-fp16`` is ``cerar`` with
+#: ``packet="fp16"``), None where that row is not offered. The methods' own names (the keys of
+#: :data:`HOOKS`) stay accepted, as aliases, with their meanings of before: ``fp16`` is torch's
+#: ``fp16_compress_hook`` (the row ``torch-fp16``) as a hook and in a schedule's averages, but
+#: cerar's 16-bit ring (``ring-fp16``) under ``group:``/``hsdp:``. Runs, labels and results keep
+#: the method's own name (the alias), whichever was typed.
+ROW_NAMES: dict[str, tuple[str | None, str | None]] = {
+    "exact": ("allreduce", "allreduce"),
+    "torch-fp16": ("fp16", None),
+    "torch-bf16": ("bf16", None),
+    "ring": ("ring", "ring"),
+    "ring-fp16": (None, "fp16"),
+    "ring-int8": ("int8", "int8"),
+    "ring-fp8": ("fp8", "fp8"),
+    "cerar": ("cerar", "cerar"),
+    "cerar-fp16": ("cerar:fp16", "cerar:fp16"),
+    "cerar-bf16": ("cerar:bf16", "cerar:bf16"),
+    "hier-ring": ("hier-ring", None),
+    "hier-cerar": ("hier-cerar", None),
+    "auto": ("auto", "auto"),
+}  # fmt: skip
+_GROUPED = 1  # ROW_NAMES' column under a process group
+
+
+def resolve(name: str, grouped: bool = False) -> tuple[str, str | None]:
+    """The training method (a key of :data:`HOOKS`) and the packet precision (or None) that the
+    name ``name`` means in ``--methods``: a method's own name as it is, a row's name by
+    :data:`ROW_NAMES` (``grouped``: under ``group:``/``hsdp:``). Anything else raises
+    ``ValueError`` naming the argument, the value and the names accepted there."""
+    if name in HOOKS:
+        return name, None
+    meaning = ROW_NAMES[name][_GROUPED if grouped else 0] if name in ROW_NAMES else None
+    if meaning is None:
+        where = "of group and hsdp " if grouped else ""
+        elsewhere = ROW_NAMES.get(name, (None, None))[0 if grouped else _GROUPED]
+        hint = "" if elsewhere is None else " (not under group:/hsdp:)" if grouped else " (under group:/hsdp: only)"
+        raise ValueError(f"Argument 'method' {where}must be one of {method_names(grouped)}, not {name!r}{hint}.")
+    method, _, packet = meaning.partition(":")
+    return method, packet or None
+
+
+def method_names(grouped: bool = False) -> str:
+    """The names ``--methods`` accepts (``grouped``: under ``group:``/``hsdp:``), each row's with
+    the method's own name it is an alias of: ``exact (= allreduce), torch-fp16 (= fp16), ...``."""
+    names = []
+    for row, meanings in ROW_NAMES.items():
+        meaning = meanings[_GROUPED if grouped else 0]
+        if meaning is None:
+            continue
+        method, _, packet = meaning.partition(":")
+        alias = f"{method}:2N:{packet}" if packet else method
+        names.append(row if alias == row else f"{row} (= {alias})")
+    if not grouped:
+        names += [name for name in HOOKS if name not in {m.partition(":")[0] for m, _ in ROW_NAMES.values() if m}]
+    return ", ".join(names)
