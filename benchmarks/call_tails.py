@@ -32,7 +32,7 @@ import torch.distributed as dist
 import cerar
 from cerar import codes
 from cerar._checks import parse_size
-from cerar.comm.ring.handshake import dissemination_distances
+from cerar.comm.runtime.handshake import dissemination_distances
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,7 @@ the network. For each message size (MB of float32) and a middle rank (the worst 
 * encode: all ``L = c + N - 2`` rounds as the collective computes them: each piece's
   increments ``max(4, c / 2)`` rounds at a time (``encode_rounds``, one ``(B, c) x (c, w)``
   product on the piece's rows), then each round's packet ``received + X f_t`` (one add), 16 pieces per round as
-  the transport cuts a large packet (``cerar.comm.ring.engine``);
+  the transport cuts a large packet (``cerar.comm.runtime.engine``);
 * decode: the collective's ``fold_slots`` over its groups of observation slots, in float64
   in the ``(c, w)`` layout (the own part ``D X``, in float32, with the first group, then one ``addmm`` per
   group), piece by piece;
@@ -20,7 +20,7 @@ the network. For each message size (MB of float32) and a middle rank (the worst 
 With two or more CUDA devices it then runs the collective itself on CUDA tensors over NCCL, one
 rank per device (NCCL refuses two ranks on one device): ``cerar.all_reduce`` with float32 and
 float16 packets, synchronous and async (the tensor written on the caller's stream just before the
-call, read on it just after ``wait()``: the stream ordering of ``cerar.comm.ring.thread``),
+call, read on it just after ``wait()``: the stream ordering of ``cerar.comm.runtime.thread``),
 ``ring_all_reduce``, DDP steps with ``cerar.ddp.cerar_hook``, an async all-reduce on cerar's
 process group (``wait()`` ordering the caller's stream) and DDP over that group, each against
 ``torch.distributed.all_reduce``'s sum (:func:`collective_check`; the suite runs the same function
@@ -43,9 +43,9 @@ import time
 import torch
 
 from cerar import codes
-from cerar.comm.kernels.decode import fold_slots, own_part
-from cerar.comm.kernels.encode import encode_rounds
-from cerar.comm.kernels.plans import rank_matrices, round_batches, rounds_per_product, slot_groups
+from cerar.comm.algorithms.cerar.decode import fold_slots, own_part
+from cerar.comm.algorithms.cerar.encode import encode_rounds
+from cerar.comm.algorithms.cerar.plans import rank_matrices, round_batches, rounds_per_product, slot_groups
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:

@@ -29,8 +29,8 @@ from typing import Any
 
 from cerar import codes
 from cerar._version import __version__
-from cerar.coding.code import Code
-from cerar.comm.ring.stats import CommStats
+from cerar.coding.linear_code import Code
+from cerar.comm.runtime.stats import CommStats
 from cerar.protocol.schedule import RankPlan, RoundStep, Schedule
 from cerar.protocol.simulate import SimulationResult, simulate
 from cerar.protocol.simulate_ring import simulate_ring

@@ -2,7 +2,7 @@
 
 Two things are cached: designs that take seconds to compute (JSON, :mod:`cerar.coding.design_cache`)
 and the compiled coding (a shared library that the process then loads and runs,
-:mod:`cerar.comm.kernels.native`). A file that another local user could plant there would be run, or
+:mod:`cerar.comm.algorithms.native`). A file that another local user could plant there would be run, or
 would change the sums, so the folder is used only when
 
 * it is a real folder (not a link), owned by the current user, and no one else can write to it

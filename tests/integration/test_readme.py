@@ -552,7 +552,7 @@ def test_relative_links_resolve(doc: Path) -> None:
             assert anchor in _anchors(linked), f"{doc.name}: link to {target}: no such heading"
 
 
-#: A file of the repository named in the prose (`src/cerar/comm/ring/engine.py`): moved code leaves
+#: A file of the repository named in the prose (`src/cerar/comm/runtime/engine.py`): moved code leaves
 #: no stale path behind.
 REPO_PATH = re.compile(r"`((?:src|benchmarks|examples|tests|docs)/[\w./-]+\.(?:py|c|md|gz|txt))`")
 

@@ -208,7 +208,7 @@ def test_collective_nonfinite_raise_holds_under_the_rings() -> None:
 def _exact_bytes(rank: int, world_size: int) -> list[int]:
     from cerar.comm.auto.collective import auto_all_reduce
     from cerar.comm.auto.tournament import AutoConfig
-    from cerar.comm.ring.stats import CommStats
+    from cerar.comm.runtime.stats import CommStats
 
     config = AutoConfig(pins="0,-,ring,fp32,-")  # the exact candidate only
     sent = []

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import cerar
 from cerar.coding import codes
-from cerar.comm.ring import links
+from cerar.comm.runtime import links
 from multirank import check, run_ranks
 
 

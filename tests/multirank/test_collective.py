@@ -13,7 +13,7 @@ import torch.distributed as dist
 import cerar
 from cerar.coding import codes
 from cerar.coding.precision import UNIT_ROUNDOFF
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.stats import CommStats
 from cerar.protocol.schedule import Schedule
 from cerar.protocol.simulate_ring import simulate_ring
 from multirank import RankFailure, check, run_ranks, wait_for_peers
@@ -313,8 +313,8 @@ def test_nonfinite_ignore_spreads_over_exactly_its_column(position: int) -> None
 def _faulty_peer_worker(rank: int, world: int, fault: str) -> float:
     import time
 
-    from cerar.comm.ring import engine
-    from cerar.comm.ring.links import Ring
+    from cerar.comm.runtime import engine
+    from cerar.comm.runtime.links import Ring
 
     if rank == 2:
         original = engine.wait_for
@@ -420,8 +420,8 @@ def _kept_layout_worker(rank: int, world: int) -> dict[str, object]:
     import gc
     import weakref
 
-    from cerar.comm.kernels.cerar_run import CerarRun
-    from cerar.comm.kernels.workspace import WORKSPACE
+    from cerar.comm.algorithms.cerar.run import CerarRun
+    from cerar.comm.algorithms.workspace import WORKSPACE
 
     code = codes.perturbed(world, 2 * world)
     errors, kept = [], []

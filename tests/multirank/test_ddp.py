@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cerar.coding import codes
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.stats import CommStats
 from cerar.ddp import (
     DEFAULT_MIN_BUCKET_BYTES,
     HOOKS,

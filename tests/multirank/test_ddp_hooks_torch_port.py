@@ -25,7 +25,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cerar.coding import codes
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.comm.collective.api import default_code
 from cerar.ddp import HOOKS, CerarState, cerar_hook, get_hook, ring_hook
 from multirank import check, run_ranks

@@ -206,8 +206,8 @@ def test_a_group_torch_does_not_register() -> None:
 
 def _killed(rank: int, world_size: int) -> float:
     import cerar
-    from cerar.comm.ring import engine
-    from cerar.comm.ring.links import Ring
+    from cerar.comm.runtime import engine
+    from cerar.comm.runtime.links import Ring
 
     group = cerar.new_group(min_bytes=0)
     if rank == 2:

@@ -433,7 +433,7 @@ def test_a_strided_view_gets_the_right_sum_and_its_storage_outside_is_untouched(
 def _timeouts(rank: int, world: int) -> dict[str, Any]:
     import cerar
     from cerar.comm.group.hsdp import hsdp_groups
-    from cerar.comm.ring.links import group_timeout
+    from cerar.comm.runtime.links import group_timeout
 
     given = cerar.new_group(min_bytes=0, timeout=datetime.timedelta(seconds=7))
     default = cerar.new_group(min_bytes=0)
@@ -585,7 +585,7 @@ def _cerar_world(rank: int, world: int, port: int, results: Any) -> None:
     try:
         import cerar.group
         from cerar.comm.group.create import monitored_barrier
-        from cerar.comm.ring.links import group_timeout
+        from cerar.comm.runtime.links import group_timeout
 
         dist.init_process_group("cerar", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=11))
         pg = dist.group.WORLD

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import cerar
 from cerar.coding import codes
 from cerar.comm.collective import api as collective
-from cerar.comm.ring.groups import group_state
+from cerar.comm.runtime.groups import group_state
 from multirank import check, run_ranks
 
 

@@ -1,4 +1,4 @@
-"""The per-call handshake (cerar.comm.ring.handshake): no collective of cerar's on the caller's group,
+"""The per-call handshake (cerar.comm.runtime.handshake): no collective of cerar's on the caller's group,
 call counts checked, non-finite decisions identical on every rank."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import cerar
 from cerar.coding import codes
-from cerar.comm.ring import handshake
-from cerar.comm.ring.links import Ring
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime import handshake
+from cerar.comm.runtime.links import Ring
+from cerar.comm.runtime.stats import CommStats
 from multirank import RankFailure, check, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -224,8 +224,8 @@ def test_nonfinite_decision_is_the_same_on_every_rank(c: int) -> None:
 def _maxima_chain_worker(rank: int, world: int, packet: str) -> list[float]:
     """The chain alone, with fewer data rounds than hops: one hop rides in front of a "data
     packet" of ``packet`` dtype, the other N - 2 run in maxima()."""
-    from cerar.comm.ring.links import Ring, post_pair
-    from cerar.comm.ring.maxima import MaximaChain
+    from cerar.comm.runtime.links import Ring, post_pair
+    from cerar.comm.runtime.maxima import MaximaChain
 
     dtype = getattr(torch, packet)
     ring = Ring.of(None)

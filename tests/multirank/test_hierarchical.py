@@ -15,7 +15,7 @@ from torch import nn
 import cerar
 from cerar.coding import codes
 from cerar.coding.precision import UNIT_ROUNDOFF
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.stats import CommStats
 from cerar.protocol.schedule import Schedule
 from multirank import RankFailure, check, run_ranks
 
@@ -255,8 +255,8 @@ def test_nonfinite_exact_keeps_the_nan_in_place() -> None:
 def _dead_peer_worker(rank: int, world: int, stage: str) -> float:
     import time
 
-    from cerar.comm.ring import engine
-    from cerar.comm.ring.links import Ring
+    from cerar.comm.runtime import engine
+    from cerar.comm.runtime.links import Ring
 
     if rank == 3 and stage == "node":
         dist.reduce_scatter_tensor = lambda *args, **kwargs: os._exit(3)

@@ -1,4 +1,4 @@
-"""The compiled CPU coding (cerar.comm.kernels.native: encode and decode) inside the collective, against
+"""The compiled CPU coding (cerar.comm.algorithms.native: encode and decode) inside the collective, against
 the torch ops it replaces (``CERAR_NATIVE=0``), on the same inputs: the same sums within
 float32's rounding, no larger error, less memory, and the scaled paths (a huge rank, an odd
 size) alike."""
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cerar
-from cerar.comm.kernels import native
+from cerar.comm.algorithms import native
 from multirank import check, run_ranks
 
 _SIZE = 50_003  # not a multiple of c: the padded last piece too

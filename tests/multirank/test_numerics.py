@@ -86,7 +86,7 @@ def test_a_rescaled_call_then_ordinary_data() -> None:
 
 def _scale_disagreement_worker(rank: int, world: int) -> tuple[float, bool]:
     """Ranks whose remembered scales differ (one rank restarted, say) still agree on one."""
-    from cerar.comm.ring.groups import group_state, ring_of
+    from cerar.comm.runtime.groups import group_state, ring_of
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
     exact = _gather(x).double().sum(0)

@@ -114,7 +114,7 @@ def within(a: Any, b: Any) -> str | None:
 def bound(x: torch.Tensor, env: Env, avg: bool = False) -> float:
     """How far a coded sum of ``x`` (this rank's input) may be from the exact one: the default
     code's ``2 (beta_j D_j + p_j ||S||)``, plus the output dtype's rounding; over N for AVG."""
-    from cerar.comm.collective.codes import resolve_code
+    from cerar.comm.collective.default_code import resolve_code
 
     rows = [torch.empty(x.numel(), dtype=torch.float64) for _ in range(env.world)]
     dist.all_gather(rows, x.detach().reshape(-1).double(), group=env.ref)

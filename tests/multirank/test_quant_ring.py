@@ -1,4 +1,4 @@
-"""The 8-bit ring on Gloo ranks (cerar.comm.kernels.quant_ring, cerar.comm.collective.quant_call):
+"""The 8-bit ring on Gloo ranks (cerar.comm.algorithms.ring.block_ops, cerar.comm.collective.quant_call):
 bitwise the same result on every rank and bitwise the simulator's
 (cerar.protocol.simulate_ring.simulate_ring), the compiled kernels and the torch ops alike; the
 bytes it sends; the non-finite policies decided alike on every rank; avg; sizes not divisible by
@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from cerar.coding.blocks import SCALE_ITEMSIZE, BlockFormat
+from cerar.comm.algorithms.ring.block_ops import quant_pieces
+from cerar.comm.algorithms.ring.program import run_ring
+from cerar.comm.algorithms.ring.quantize import packet_bytes
+from cerar.comm.algorithms.ring.wires import BlockWire
 from cerar.comm.collective.call import NonFiniteError, ring_call
 from cerar.comm.collective.request import Request
-from cerar.comm.kernels.quant_ring import quant_pieces
-from cerar.comm.kernels.quantize import packet_bytes
-from cerar.comm.kernels.ring_run import run_ring
-from cerar.comm.kernels.wires import BlockWire
-from cerar.comm.ring.handshake import SettingsMismatchError
-from cerar.comm.ring.links import Ring
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.handshake import SettingsMismatchError
+from cerar.comm.runtime.links import Ring
+from cerar.comm.runtime.stats import CommStats
 from cerar.protocol.simulate_ring import simulate_ring
 from multirank import RankFailure, check, run_ranks
 

@@ -94,7 +94,7 @@ def test_every_magnitude_of_every_dtype(data: torch.dtype, packet: torch.dtype |
 @pytest.mark.multirank
 @pytest.mark.parametrize("packet", [None, torch.float16, torch.bfloat16], ids=lambda v: str(v).removeprefix("torch."))
 def test_every_magnitude_with_the_torch_ops_decode(packet: torch.dtype | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 data decodes in one compiled pass where a C compiler is (cerar.comm.kernels.native); the
+    """float32 data decodes in one compiled pass where a C compiler is (cerar.comm.algorithms.native); the
     torch ops it replaces still run on GPUs and machines without one: the same sweep through them."""
     monkeypatch.setenv("CERAR_NATIVE", "0")  # the forked ranks inherit it
     _check_sweep(check(run_ranks(_sweep_worker, 4, torch.float32, packet, "one", timeout=240)))

@@ -243,7 +243,7 @@ def _one_rule_worker(rank: int, world: int) -> dict[str, int]:
 
 
 def test_the_group_the_call_the_hook_and_the_hierarchical_call_pick_the_same_code() -> None:
-    from cerar.comm.collective.codes import code_within
+    from cerar.comm.collective.default_code import code_within
 
     expected = code_within(4, "fp16", 1e-2).components
     for picked in check(run_ranks(_one_rule_worker, 4, timeout=240)):

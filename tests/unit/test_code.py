@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cerar import Code, codes, simulate
-from cerar.coding.code import REFERENCES, SingularCodeError
+from cerar.coding.linear_code import REFERENCES, SingularCodeError
 
 
 @pytest.mark.parametrize(("n_ranks", "c"), [(2, 1), (2, 4), (4, 4), (4, 8), (8, 20), (16, 48)])

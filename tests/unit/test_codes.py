@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cerar import Code, codes, simulate
-from cerar.coding.code import SingularCodeError
+from cerar.coding.linear_code import SingularCodeError
 
 
 def _slope(x: list[float] | np.ndarray, y: list[float] | np.ndarray) -> float:
@@ -458,7 +458,7 @@ def test_max_error_bad_values(build, error: type[Exception], words: list[str]) -
     ],
 )
 def test_large_c_is_refused_up_front(build, limit: int, value: int, monkeypatch) -> None:
-    from cerar.coding import code as code_module
+    from cerar.coding import linear_code as code_module
 
     def no_code(*args, **kwargs):
         raise AssertionError("a Code was built before the refusal")

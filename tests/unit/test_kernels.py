@@ -1,12 +1,12 @@
-"""cerar.comm.kernels: each one-pass op of the torch path bitwise equal to the separate passes it replaces."""
+"""cerar.comm.algorithms: each one-pass op of the torch path bitwise equal to the separate passes it replaces."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cerar.comm.kernels.decode import fold_slots, own_part, own_part_target, write_transposed
-from cerar.comm.kernels.encode import add_rounded
+from cerar.comm.algorithms.cerar.decode import fold_slots, own_part, own_part_target, write_transposed
+from cerar.comm.algorithms.cerar.encode import add_rounded
 
 
 def _values(n: int, seed: int) -> torch.Tensor:

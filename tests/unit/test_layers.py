@@ -22,8 +22,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cerar.coding",),
     ("cerar.protocol",),
     ("cerar.comm",),  # the package itself: its docstring only
-    ("cerar.comm.ring",),  # who talks to whom: links, the round engine, handshake, maxima, stats, the thread
-    ("cerar.comm.kernels",),  # one rank's runs: CERAR (compiled or torch ops), the exact ring, the packet scale
+    ("cerar.comm.runtime",),  # who talks to whom: links, the round engine, handshake, maxima, stats, the thread
+    ("cerar.comm.algorithms",),  # one rank's runs: CERAR (compiled or torch ops), the exact ring, the packet scale
     ("cerar.comm.collective",),  # the public calls: argument checks, one call's body, the hierarchical path
     ("cerar.comm.ddp",),  # DDP: hooks, states, checkpoints, replicas
     ("cerar.comm.auto",),  # method="auto", above everything it chooses among
@@ -73,7 +73,7 @@ def _imports(name: str) -> list[tuple[str, int]]:
 
 
 def _layer(name: str) -> int:
-    """The layer of the longest prefix that holds ``name`` (``cerar.comm.ring`` before ``cerar.comm``)."""
+    """The layer of the longest prefix that holds ``name`` (``cerar.comm.runtime`` before ``cerar.comm``)."""
     matches = [
         (len(p), index) for index, prefixes in enumerate(LAYERS) for p in prefixes
         if name == p or name.startswith(p + ".")
@@ -170,10 +170,10 @@ def test_the_parser_resolves_what_the_checks_rely_on() -> None:
     # A contract that parsed nothing would pass everything: pin the forms it must see.
     facade = {target for target, _ in _imports("cerar")}
     assert "cerar.codes" in facade  # ``from cerar import codes``: the submodule
-    assert "cerar.coding.code" in facade  # ``from cerar.coding.code import Code``: the module
+    assert "cerar.coding.linear_code" in facade  # ``from cerar.coding.linear_code import Code``: the module
     assert any(target.startswith("torch") for target, _ in _imports("cerar.comm.collective.api"))
-    assert _layer("cerar.coding.code") < _layer("cerar.comm.collective.api") < _layer("cerar.cli")
-    assert _layer("cerar.comm") < _layer("cerar.comm.ring.links") < _layer("cerar.comm.kernels.cerar_run")
+    assert _layer("cerar.coding.linear_code") < _layer("cerar.comm.collective.api") < _layer("cerar.cli")
+    assert _layer("cerar.comm") < _layer("cerar.comm.runtime.links") < _layer("cerar.comm.algorithms.cerar.run")
     assert _layer("cerar.comm.ddp.hooks") < _layer("cerar.comm.auto.ddp") < _layer("cerar.harness.launch")
 
 

@@ -1,4 +1,4 @@
-"""cerar.comm.kernels.native: the compiled decode against an independent float64 reference (numpy), and
+"""cerar.comm.algorithms.native: the compiled decode against an independent float64 reference (numpy), and
 its build: cached, atomic, and off with a reason where it cannot be had."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from cerar.comm.kernels import native
+from cerar.comm.algorithms import native
 
 _PACKETS = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -252,7 +252,7 @@ def test_ranks_starting_at_once_build_once(fresh: Path, tmp_path: Path) -> None:
     compiler = native._compiler()
     if compiler is None:
         pytest.skip("no C compiler")
-    source = resources.files("cerar.comm.kernels").joinpath("csrc", "coding.c").read_bytes()
+    source = resources.files("cerar.comm.algorithms").joinpath("csrc", "coding.c").read_bytes()
     log = tmp_path / "builds.txt"
     context = multiprocessing.get_context("fork")
     processes = [context.Process(target=_build_counting, args=(compiler, source, str(log))) for _ in range(3)]
@@ -296,7 +296,7 @@ def _planted(tmp_path: Path) -> tuple[bytes, Path]:
 def _library_name() -> str:
     compiler = native._compiler()
     assert compiler is not None
-    source = resources.files("cerar.comm.kernels").joinpath("csrc", "coding.c").read_bytes()
+    source = resources.files("cerar.comm.algorithms").joinpath("csrc", "coding.c").read_bytes()
     return native._library_name(compiler, source)
 
 
@@ -325,7 +325,7 @@ def _damaged(kind: str, genuine: bytes, tmp_path: Path) -> bytes:
     if kind == "random":
         return np.random.default_rng(0).bytes(len(genuine))
     # Another version's library: the real source, built to say another version.
-    source = resources.files("cerar.comm.kernels").joinpath("csrc", "coding.c").read_text()
+    source = resources.files("cerar.comm.algorithms").joinpath("csrc", "coding.c").read_text()
     other = source.replace(f"{{ return {native._VERSION}; }}", f"{{ return {native._VERSION + 1}; }}")
     assert other != source
     return _compile_c(other, tmp_path)
@@ -455,9 +455,9 @@ def test_switching_it_off_in_a_running_process_takes_effect_at_the_next_call(
 ) -> None:
     """``CERAR_NATIVE=0`` set after a layout has run: that layout's next call runs the torch ops."""
     from cerar.coding import codes
-    from cerar.comm.kernels.cerar_run import CerarRun
-    from cerar.comm.kernels.scale import PacketScale
-    from cerar.comm.ring.links import Ring
+    from cerar.comm.algorithms.cerar.run import CerarRun
+    from cerar.comm.algorithms.cerar.scale import PacketScale
+    from cerar.comm.runtime.links import Ring
 
     _decoder(8, seed=0)  # skips where there is no compiler
     ring = Ring(None, 0, 4, 1, 3, (0, 1, 2, 3))

@@ -1,6 +1,6 @@
 """The block-quantized ring's quantization (int8, e4m3fn, packed int4): the torch ops
-(cerar.comm.kernels.quantize) against the numpy reference of the format (cerar.coding.blocks), and
-the compiled kernels (cerar.comm.kernels.native) against the torch ops, bit for bit (a NaN matches
+(cerar.comm.algorithms.ring.quantize) against the numpy reference of the format (cerar.coding.blocks), and
+the compiled kernels (cerar.comm.algorithms.native) against the torch ops, bit for bit (a NaN matches
 any NaN: its payload is each one's own)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from cerar.coding import blocks
 from cerar.coding.blocks import BlockFormat
-from cerar.comm.kernels import native
-from cerar.comm.kernels import quantize as q8
+from cerar.comm.algorithms import native
+from cerar.comm.algorithms.ring import quantize as q8
 
 #: Block sizes per wire: 1, an odd one and 64; int4's blocks are even (2, 6, 64).
 TEST_BLOCKS = {"int8": (1, 7, 64), "fp8": (1, 7, 64), "int4": (2, 6, 64)}

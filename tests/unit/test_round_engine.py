@@ -1,4 +1,4 @@
-"""cerar.comm.ring.transport.run_program's order of posts on the CPU, against a recording process group.
+"""cerar.comm.runtime.transport.run_program's order of posts on the CPU, against a recording process group.
 
 Gloo matches a peer's messages of one tag in the order they were posted, and a send waits until
 the peer has posted its receive: the engine posts each receive a round ahead, in the order the
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from cerar.comm.ring.engine import Piece, Program, run_program
-from cerar.comm.ring.links import Ring
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.engine import Piece, Program, run_program
+from cerar.comm.runtime.links import Ring
+from cerar.comm.runtime.stats import CommStats
 
 
 class _Done:

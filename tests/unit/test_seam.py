@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import cerar
 from cerar.coding import codes
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from multirank import check, run_ranks
 
 

@@ -1,4 +1,4 @@
-"""cerar's futures (:mod:`cerar.comm.ring.work`), in one process: errors keep their type through
+"""cerar's futures (:mod:`cerar.comm.runtime.work`), in one process: errors keep their type through
 :func:`chain`, and what a chain holds is let go before its future completes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from cerar.comm.ring.work import Work, chain, forward
+from cerar.comm.runtime.work import Work, chain, forward
 
 
 class _Held:

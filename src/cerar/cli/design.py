@@ -14,8 +14,8 @@ import numpy as np
 
 from cerar._checks import check_int
 from cerar.coding import codes
-from cerar.coding.code import MAX_ERROR, Code
 from cerar.coding.constructions import MAX_COMPONENTS
+from cerar.coding.linear_code import MAX_ERROR, Code
 from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS
 from cerar.coding.precision import precision_name
 from cerar.harness import resources

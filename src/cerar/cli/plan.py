@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cerar._checks import check_float
-from cerar.coding.code import MAX_ERROR
 from cerar.coding.constructions import MAX_COMPONENTS
+from cerar.coding.linear_code import MAX_ERROR
 from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS
 from cerar.harness import resources
 from cerar.harness.launch import DEFAULT_RATE

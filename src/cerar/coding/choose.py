@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from cerar._checks import check_float, check_int
-from cerar.coding.code import Code
 from cerar.coding.constructions import MAX_COMPONENTS, exact, perturbed
 from cerar.coding.design_cache import cached_code
+from cerar.coding.linear_code import Code
 from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS, cache_key, optimized
 from cerar.coding.precision import precision_name
 

@@ -4,7 +4,7 @@ Rank ``j`` decodes ``S_hat_j = X_j + W_j O_j`` (:meth:`CodeAnalysis.decoder`); t
 sum in exact arithmetic (:attr:`CodeAnalysis.error_bound`, :meth:`CodeAnalysis.source_errors`)
 and with packets rounded to a precision (:meth:`CodeAnalysis.predicted_error`) follow from the
 code's rows (:mod:`cerar.coding.decoders` does the linear algebra). Kept apart from
-:mod:`cerar.coding.code`, which holds what a code is (its rows, sizes and constructions). Pure
+:mod:`cerar.coding.linear_code`, which holds what a code is (its rows, sizes and constructions). Pure
 numpy: this module never imports torch.
 """
 
@@ -46,7 +46,7 @@ def check_max_error(max_error: Any) -> float | None:
 
 
 class CodeAnalysis:
-    """The decoders and the error model of :class:`cerar.coding.code.Code`, its only subclass.
+    """The decoders and the error model of :class:`cerar.coding.linear_code.Code`, its only subclass.
 
     Reads the attributes below, which ``Code.__init__`` sets, and the code's rows through
     ``Code.F`` and ``Code.observation_matrices``.

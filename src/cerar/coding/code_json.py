@@ -4,7 +4,7 @@ A code is described by what built it: its node set (one node per conjugate pair)
 built from nodes, else its table of rows, plus the decoder and the construction's name and
 parameters. The canonical JSON text of that description is the code's identity: ranks compare
 its SHA-256 (:attr:`CodeJson.fingerprint`) to check that they hold the same code, and two codes
-are equal when their fingerprints are. Kept apart from :mod:`cerar.coding.code` so that the
+are equal when their fingerprints are. Kept apart from :mod:`cerar.coding.linear_code` so that the
 maths there reads without the bookkeeping. Pure standard library plus numpy.
 """
 
@@ -19,12 +19,12 @@ import numpy as np
 
 __all__ = ["JSON_FORMAT", "CodeJson"]
 
-JSON_FORMAT = "cerar.coding.code/1"
+JSON_FORMAT = "cerar.coding.linear_code/1"
 _C = TypeVar("_C", bound="CodeJson")
 
 
 class CodeJson:
-    """Serialisation and identity of :class:`cerar.coding.code.Code`, its only subclass.
+    """Serialisation and identity of :class:`cerar.coding.linear_code.Code`, its only subclass.
 
     Reads the attributes below, which ``Code.__init__`` sets; :meth:`from_dict` rebuilds through
     ``Code.from_nodes`` or ``Code(world_size, rows, ...)``.

@@ -15,8 +15,8 @@ from typing import Any
 
 from cerar._checks import check_choice
 from cerar.coding.choose import choose
-from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.constructions import MAX_COMPONENTS, check_design, cluster_sizes, exact, perturbed, vandermonde
+from cerar.coding.linear_code import MAX_ERROR, Code, check_max_error
 from cerar.coding.optimize import OPTIMIZED_MAX_COMPONENTS, optimized
 
 __all__ = [

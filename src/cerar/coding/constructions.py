@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from cerar._checks import check_bool, check_float, check_int
-from cerar.coding.code import MAX_ERROR, Code, SingularCodeError, check_max_error
+from cerar.coding.linear_code import MAX_ERROR, Code, SingularCodeError, check_max_error
 from cerar.coding.precision import precision_name
 from cerar.coding.search import minimise_log_parameter
 
@@ -39,7 +39,7 @@ __all__ = [
 #: before any work. A build costs an O(c^3) inverse per candidate of the ~40 the tuning tries, so
 #: the time grows eightfold per doubling of ``c`` (seconds from c = 512). And codes that large are noise:
 #: the predicted fp32 error of ``perturbed(4, c)`` is 0.46 at c = 64 and 1.1 at c = 256; no code
-#: with ``c >= 16 N`` meets :data:`cerar.coding.code.MAX_ERROR` even at fp64.
+#: with ``c >= 16 N`` meets :data:`cerar.coding.linear_code.MAX_ERROR` even at fp64.
 MAX_COMPONENTS = 256
 
 

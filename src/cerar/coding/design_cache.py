@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cerar._cache import PrivateFolder, cache_dir
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 
 __all__ = ["cache_dir", "cached_code", "entry_path"]
 

@@ -36,7 +36,6 @@ import numpy as np
 
 from cerar._checks import check_float
 from cerar._version import __version__
-from cerar.coding.code import MAX_ERROR, Code, check_max_error
 from cerar.coding.constructions import (
     check_components_limit,
     check_design,
@@ -48,6 +47,7 @@ from cerar.coding.constructions import (
 )
 from cerar.coding.decoders import SingularCodeError
 from cerar.coding.design_cache import cached_code
+from cerar.coding.linear_code import MAX_ERROR, Code, check_max_error
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
 from cerar.coding.search import minimise_log_parameter
 
@@ -64,7 +64,7 @@ _WALL = 0.99
 #: scores a few hundred codes, each with an SVD per rank, then refines ~1.5 c parameters with up to
 #: 1000 more: measured on one core, ``N = 4``: c = 64 takes 3.4 s (0.3 s unrefined), c = 128 68 s
 #: (1.2 s unrefined), c = 256 27 s unrefined; ``N = 16, c = 64``: 6.8 s. Every such design at
-#: ``N <= 4`` is above :data:`cerar.coding.code.MAX_ERROR` at fp32 anyway (N = 4, c = 128: 0.28).
+#: ``N <= 4`` is above :data:`cerar.coding.linear_code.MAX_ERROR` at fp32 anyway (N = 4, c = 128: 0.28).
 OPTIMIZED_MAX_COMPONENTS = 64
 
 

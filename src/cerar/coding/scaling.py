@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cerar.coding.blocks import QMAX, BlockFormat
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.coding.precision import precision_name
 
 __all__ = [
@@ -157,7 +157,7 @@ def scale_window(code: Code, data: object, packet: object, decode_gain: float) -
     its products overflow the data's dtype at every packet level the format admits).
     """
     data_name, packet_name = precision_name(data, "data"), precision_name(packet, "packet_dtype")
-    # The decode's sum: float64, or float32 for 16-bit packets (cerar.comm.kernels.plans.accumulator_dtype).
+    # The decode's sum: float64, or float32 for 16-bit packets (cerar.comm.algorithms.cerar.plans.accumulator_dtype).
     wide = FORMATS["fp32" if packet_name in ("fp16", "bf16") else "fp64"]
     values, wire = FORMATS[data_name], FORMATS[packet_name]
     log_gain = math.log2(code.world_size * packet_gain(code))

@@ -1,7 +1,7 @@
 """The ring schedule as data: what every rank does in every round.
 
 One source of truth for the protocol. The single-process simulator (:mod:`cerar.protocol.simulate`) and
-the real transport (:mod:`cerar.comm.ring.transport`) both execute a :class:`RankPlan` built here; neither
+the real transport (:mod:`cerar.comm.runtime.transport`) both execute a :class:`RankPlan` built here; neither
 re-derives the rounds. Pure numpy: never imports torch.
 
 The protocol (ranks ``i = 0..N-1``; rank ``i`` sends to ``i+1 mod N``; rounds ``t = 1..L``,
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cerar._checks import check_int
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 
 
 @dataclass(frozen=True)

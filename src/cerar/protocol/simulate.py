@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cerar.coding.blocks import WIRES, BlockFormat, round_trip
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.coding.precision import precision_name, rounder
 from cerar.coding.scaling import scale_window
 from cerar.protocol.schedule import Schedule
@@ -136,7 +136,7 @@ def simulate(
     m = math.ceil(d / c)
     padded = np.zeros((n_ranks, c * m))
     padded[:, :d] = flat
-    # Component k takes every c-th value (see cerar.comm.kernels.cerar_run): column q holds values qc .. qc+c-1.
+    # Component k takes every c-th value (see cerar.comm.algorithms.cerar.run): column q holds values qc .. qc+c-1.
     own = padded.reshape(n_ranks, m, c).transpose(0, 2, 1)
     # The transport's exact power-of-two packet scale at its first call (cerar.coding.scaling).
     schedule = Schedule.for_code(code)

@@ -1,5 +1,5 @@
 """A reference simulator of the exact ring (reduce-scatter + all-gather) with a chosen wire
-precision, step for step as :func:`cerar.comm.kernels.ring_run.run_ring` runs it: values held in float32,
+precision, step for step as :func:`cerar.comm.algorithms.ring.program.run_ring` runs it: values held in float32,
 chunks rounded to the wire precision when sent, float16 wires scaled by
 :func:`cerar.coding.scaling.ring_scale_exponent`. The 8-bit wires (``"int8"``, ``"fp8"``) are
 block-quantized (:mod:`cerar.coding.blocks`): a rank quantizes the partial sum it sends, the

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.comm.collective.call import NonFiniteError
-from cerar.comm.collective.codes import code_within, default_code
+from cerar.comm.collective.default_code import code_within, default_code
 from cerar.comm.collective.routes import Route, get_route, start
-from cerar.comm.ring.maxima import max_abs
-from cerar.comm.ring.stats import CommStats
-from cerar.comm.ring.work import Work
+from cerar.comm.runtime.maxima import max_abs
+from cerar.comm.runtime.stats import CommStats
+from cerar.comm.runtime.work import Work
 
 __all__ = ["CANDIDATE_NAMES", "DEFAULT_CANDIDATES", "ROWS", "Candidate", "build_candidates", "rank"]
 
@@ -168,7 +168,7 @@ def _code(n: int, wire: str, limit: float | None, fast_codes: bool) -> Code:
 
     if fast_codes:
         return codes.perturbed(n, 2 * n, None, wire, max_error=None)
-    try:  # the one rule every call takes (cerar.comm.collective.codes.code_within)
+    try:  # the one rule every call takes (cerar.comm.collective.default_code.code_within)
         return code_within(n, wire, limit)
     except ValueError:  # none within the budget: the default, which the budget then refuses
         return default_code(n, wire)

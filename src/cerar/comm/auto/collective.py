@@ -20,15 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.coding.code import MAX_ERROR
+from cerar.coding.linear_code import MAX_ERROR
 from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.side import SideGroup
 from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
 from cerar.comm.collective.routes import Call, Route, register_route, start
-from cerar.comm.ring.groups import ring_of
-from cerar.comm.ring.handshake import SettingsMismatchError
-from cerar.comm.ring.stats import CommStats
-from cerar.comm.ring.work import Work, forward
+from cerar.comm.runtime.groups import ring_of
+from cerar.comm.runtime.handshake import SettingsMismatchError
+from cerar.comm.runtime.stats import CommStats
+from cerar.comm.runtime.work import Work, forward
 
 __all__ = ["AUTO", "auto_all_reduce", "auto_status"]
 

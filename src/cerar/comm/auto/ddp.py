@@ -19,16 +19,16 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from cerar.coding.code import MAX_ERROR, check_max_error
+from cerar.coding.linear_code import MAX_ERROR, check_max_error
 from cerar.comm.auto.candidates import Candidate, build_candidates
 from cerar.comm.auto.side import SideGroup
 from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
 from cerar.comm.ddp.checkpoint import SETTINGS, Setting
 from cerar.comm.ddp.hooks import Started, launch_bucket
 from cerar.comm.ddp.state import CerarState, logger
-from cerar.comm.ring.exact import exact_all_reduce
-from cerar.comm.ring.handshake import SettingsMismatchError
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.exact import exact_all_reduce
+from cerar.comm.runtime.handshake import SettingsMismatchError
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = ["AUTO_STATE_DICT_FORMAT", "AutoState", "AutoStep", "BucketRecord", "auto_hook"]
 
@@ -77,7 +77,7 @@ class AutoState(CerarState):
             (``nonfinite`` holds whichever candidate runs: under ``"raise"`` a ring's non-finite
             sum, the same on every rank, raises :class:`cerar.NonFiniteError`).
         max_error: the error budget: candidates predicted above it are left out (``None``: none);
-            default :data:`cerar.coding.code.MAX_ERROR` (0.1), which admits 16-bit CERAR.
+            default :data:`cerar.coding.linear_code.MAX_ERROR` (0.1), which admits 16-bit CERAR.
             ``1e-3`` keeps the exact and float16 rings and float32 CERAR.
         auto: an :class:`cerar.comm.auto.tournament.AutoConfig` (trials, margin, recheck_every,
             pins, candidates); default ``AutoConfig()``.

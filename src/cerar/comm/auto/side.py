@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.comm.ring.exact import new_group_like
-from cerar.comm.ring.handshake import SettingsMismatchError, settings_hash
+from cerar.comm.runtime.exact import new_group_like
+from cerar.comm.runtime.handshake import SettingsMismatchError, settings_hash
 
 __all__ = ["SideGroup"]
 

@@ -2,15 +2,15 @@
 
 Both are in place, take any shape and contiguity (but no view whose elements share memory, as
 ``expand()`` makes) and tensors that require grad (written as ``dist.all_reduce`` writes them,
-unseen by autograd), and return None, or with ``async_op=True`` a :class:`~cerar.comm.ring.work.Work`.
+unseen by autograd), and return None, or with ``async_op=True`` a :class:`~cerar.comm.runtime.work.Work`.
 All of a process's cerar calls run in order on one communication thread
-(:mod:`cerar.comm.ring.thread`), so async and sync calls interleave exactly as issued on
+(:mod:`cerar.comm.runtime.thread`), so async and sync calls interleave exactly as issued on
 every rank; :func:`shutdown` stops it (also at interpreter exit). They come from one Python
 thread at a time: a call from a second thread while the first one's calls are in flight waits
 until they have completed.
 
 Every call starts with a handshake over the ring's own point-to-point links
-(:mod:`cerar.comm.ring.handshake`; no collective, so none can pair with the program's own collectives
+(:mod:`cerar.comm.runtime.handshake`; no collective, so none can pair with the program's own collectives
 on the group) that
 
 * checks that every rank runs the same call: the same code (N, c, construction, parameters,
@@ -36,23 +36,22 @@ import torch
 import torch.distributed as dist
 
 from cerar._checks import check_float
-from cerar.coding.code import MAX_ERROR, Code
+from cerar.coding.linear_code import MAX_ERROR, Code
+from cerar.comm.algorithms.workspace import WORKSPACE
 from cerar.comm.collective.call import NonFiniteError
 from cerar.comm.collective.checks import check_wire_dtype
-from cerar.comm.collective.codes import default_code, resolve_code
+from cerar.comm.collective.default_code import default_code, resolve_code
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.routes import ROUTES, Route, get_route, route_for, start
-from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.groups import group_state
-from cerar.comm.ring.handshake import SettingsMismatchError
-from cerar.comm.ring.stats import CommStats
-from cerar.comm.ring.thread import COMM, DEFAULT_SHUTDOWN_TIMEOUT_S, CerarWork, ShutdownError
-from cerar.comm.ring.work import WaitTimeoutError, Work
+from cerar.comm.runtime.groups import group_state
+from cerar.comm.runtime.handshake import SettingsMismatchError
+from cerar.comm.runtime.stats import CommStats
+from cerar.comm.runtime.thread import COMM, DEFAULT_SHUTDOWN_TIMEOUT_S, ShutdownError
+from cerar.comm.runtime.work import WaitTimeoutError, Work
 
 __all__ = [
     "NONFINITE_POLICIES",
     "ROUTES",
-    "CerarWork",
     "NonFiniteError",
     "Route",
     "SettingsMismatchError",
@@ -102,7 +101,7 @@ def all_reduce(
         op: ``"sum"`` or ``"avg"`` (or ``dist.ReduceOp.SUM`` / ``AVG``).
         group: process group (default: the default group). Ranks are renumbered within it;
             ranks outside it return None, as in torch.
-        async_op: return a :class:`~cerar.comm.ring.work.Work` instead of blocking.
+        async_op: return a :class:`~cerar.comm.runtime.work.Work` instead of blocking.
         code: the :class:`cerar.Code` to use; its ``world_size`` must equal the group's size.
             Default: :func:`default_code` for the group's size.
         nonfinite: ``"raise"`` (raise :class:`NonFiniteError` on every rank, naming the ranks
@@ -119,7 +118,7 @@ def all_reduce(
             this (default 0.1) is refused with a ValueError naming ``N``, ``c`` and the error (a
             code tuned for float32 would return noise with bfloat16 packets, say); ``None``
             uses it anyway.
-        stats: a :class:`cerar.comm.ring.stats.CommStats` that this call's figures are added to.
+        stats: a :class:`cerar.comm.runtime.stats.CommStats` that this call's figures are added to.
         method: ``"cerar"``, another row of :data:`cerar.comm.collective.routes.ROUTES`
             (``"ring-fp16"``, ``"hier-cerar"``...; ``code``, ``packet_dtype`` and
             ``fresh_scale`` apply to CERAR's rows only), or ``"auto"``:
@@ -202,7 +201,7 @@ def hierarchical_all_reduce(
         ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
             ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
         code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
-            Default: :func:`cerar.comm.collective.codes.code_within` for ``M``, the packets'
+            Default: :func:`cerar.comm.collective.default_code.code_within` for ``M``, the packets'
             precision and ``max_error``.
         nonfinite: ``"raise"``, ``"exact"`` (the shards holding NaN/Inf cross the nodes by the
             exact ring) or ``"ignore"``.

@@ -7,7 +7,7 @@ thread.
   hierarchical call's ring between nodes, records into that call's) and the contiguous working
   copy, written back on success (:class:`Working`);
 * :func:`cerar_call` and :func:`ring_call` are one call each, top to bottom: the handshake, the
-  packet scale (:class:`cerar.comm.kernels.scale.PacketScale`), the rounds, the redo, the
+  packet scale (:class:`cerar.comm.algorithms.cerar.scale.PacketScale`), the rounds, the redo, the
   non-finite policy.
 """
 
@@ -22,19 +22,19 @@ from typing import Any
 
 import torch
 
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
+from cerar.comm.algorithms import native
+from cerar.comm.algorithms.cerar.decode import scale_by_power_of_two
+from cerar.comm.algorithms.cerar.run import CerarRun
+from cerar.comm.algorithms.cerar.scale import PacketScale
+from cerar.comm.algorithms.ring.program import run_ring
+from cerar.comm.algorithms.ring.wires import WIRES
 from cerar.comm.collective.request import Request
-from cerar.comm.kernels import native
-from cerar.comm.kernels.cerar_run import CerarRun
-from cerar.comm.kernels.decode import scale_by_power_of_two
-from cerar.comm.kernels.ring_run import run_ring
-from cerar.comm.kernels.scale import PacketScale
-from cerar.comm.kernels.wires import WIRES
-from cerar.comm.ring.groups import count_call, group_state
-from cerar.comm.ring.handshake import NO_PROPOSAL, Proposal, Summary, handshake, open_handshake, settings_hash
-from cerar.comm.ring.links import Ring
-from cerar.comm.ring.maxima import max_abs
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.groups import count_call, group_state
+from cerar.comm.runtime.handshake import NO_PROPOSAL, Proposal, Summary, handshake, open_handshake, settings_hash
+from cerar.comm.runtime.links import Ring
+from cerar.comm.runtime.maxima import max_abs
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = ["NonFiniteError", "Working", "agree_call", "call_context", "cerar_call", "items", "ring_call"]
 
@@ -89,7 +89,7 @@ def cerar_call(request: Request, ring: Ring, *, within: CommStats | None = None)
         scale = PacketScale(ring, code, flat, packet, fresh_scale)
         summary = _Summary(code, tensor.dtype, packet, flat.numel(), op, nonfinite, context, max_error)
         # A layout every rank has completed before has the same scale everywhere: its round 1 leaves
-        # beside the handshake's last hops (cerar.comm.ring.handshake). CPU only: on an accelerator
+        # beside the handshake's last hops (cerar.comm.runtime.handshake). CPU only: on an accelerator
         # the check of the neighbours' headers would wait for the device inside the round loop.
         agreed = group_state(ring.group).agreed
         beside = not fresh_scale and scale.remembered is not None and (scale.key, settings) in agreed
@@ -166,7 +166,7 @@ def ring_call(request: Request, ring: Ring, *, within: CommStats | None = None) 
        Inf be NaN on every rank, nothing else. The float wires leave non-finite values where
        they are, as torch's all-reduce does.
     3. The power-of-two scale the agreed maximum calls for (none for an ordinary gradient), then
-       the rounds (:func:`cerar.comm.kernels.ring_run.run_ring`) in the wire's working dtype: a
+       the rounds (:func:`cerar.comm.algorithms.ring.program.run_ring`) in the wire's working dtype: a
        block wire's is float32 (float64 data is scaled in float64 first, so that values beyond
        float32's range survive the narrowing).
     """

@@ -19,7 +19,7 @@ the code's error bound for the node sums), as the ranks of the flat :func:`cerar
 
 The promises of the flat collective hold, checked before any data moves:
 
-* a handshake over the whole group's ring (:func:`cerar.comm.ring.handshake.handshake`) checks that
+* a handshake over the whole group's ring (:func:`cerar.comm.runtime.handshake.handshake`) checks that
   every rank runs the same call: method, ``ranks_per_node``, code, dtype, size, op, policy and
   call number; a mismatch raises :class:`SettingsMismatchError` with the same message on every
   rank. The first call of a ``(group, ranks_per_node)`` also agrees on the layout before the
@@ -37,8 +37,8 @@ Bytes: ``CommStats.bytes_sent`` counts what this rank sent between nodes, measur
 transport (the built-in node collectives are not counted); a node's link carries the sum over
 its ``G`` ranks.
 
-Layout: :mod:`cerar.comm.ring.layout` (:class:`NodeLayout`, from ``ranks_per_node`` or torchrun's
-variables) and :mod:`cerar.comm.ring.nodes` (the node groups and the rings between nodes, made once
+Layout: :mod:`cerar.comm.runtime.layout` (:class:`NodeLayout`, from ``ranks_per_node`` or torchrun's
+variables) and :mod:`cerar.comm.runtime.nodes` (the node groups and the rings between nodes, made once
 per ``(group, ranks_per_node)``); this module is one call's body.
 """
 
@@ -52,13 +52,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cerar.comm.algorithms.workspace import WORKSPACE
 from cerar.comm.collective.call import NonFiniteError, call_context, cerar_call, items, ring_call
 from cerar.comm.collective.request import Request
-from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.handshake import Summary, handshake, max_around, settings_hash
-from cerar.comm.ring.links import Ring, RingError
-from cerar.comm.ring.nodes import Nodes
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.handshake import Summary, handshake, max_around, settings_hash
+from cerar.comm.runtime.links import Ring, RingError
+from cerar.comm.runtime.nodes import Nodes
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = ["hierarchical_call"]
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from cerar.coding.code import MAX_ERROR, Code
-from cerar.comm.kernels.wires import Wire
-from cerar.comm.ring.stats import CommStats
+from cerar.coding.linear_code import MAX_ERROR, Code
+from cerar.comm.algorithms.ring.wires import Wire
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = ["Request", "Settings"]
 

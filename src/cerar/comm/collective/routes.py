@@ -49,20 +49,20 @@ import torch.distributed as dist
 
 from cerar._checks import check_bool, check_choice, check_int
 from cerar.coding.blocks import ring_error_bound
-from cerar.coding.code import Code, check_max_error
+from cerar.coding.linear_code import Code, check_max_error
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
+from cerar.comm.algorithms.ring.wires import WIRES, BlockWire, FloatWire, Wire
 from cerar.comm.collective.call import agree_call, cerar_call, ring_call
 from cerar.comm.collective.checks import check_op, check_packet_dtype, check_stats, check_tensor
-from cerar.comm.collective.codes import check_usable, code_within, default_code, working_dtype
+from cerar.comm.collective.default_code import check_usable, code_within, default_code, working_dtype
 from cerar.comm.collective.hierarchical import hierarchical_call
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.request import Request, Settings
-from cerar.comm.kernels.wires import WIRES, BlockWire, FloatWire, Wire
-from cerar.comm.ring.exact import exact_all_reduce
-from cerar.comm.ring.groups import ring_of
-from cerar.comm.ring.nodes import prepare_nodes
-from cerar.comm.ring.thread import COMM
-from cerar.comm.ring.work import Work, forward
+from cerar.comm.runtime.exact import exact_all_reduce
+from cerar.comm.runtime.groups import ring_of
+from cerar.comm.runtime.nodes import prepare_nodes
+from cerar.comm.runtime.thread import COMM
+from cerar.comm.runtime.work import Work, forward
 
 __all__ = ["ROUTES", "Call", "Request", "Route", "Settings", "get_route", "register_route", "route_for", "start"]
 
@@ -152,7 +152,7 @@ class Route:
     def code_for(self, ranks: int, data: torch.dtype, settings: Settings) -> Code | None:
         """The one rule for the code of a CERAR row on ``ranks`` ranks (nodes for the hierarchical
         row): the given code, checked for ``ranks`` and against ``max_error`` at the packet
-        precision, or :func:`cerar.comm.collective.codes.code_within`'s (the default code, or one
+        precision, or :func:`cerar.comm.collective.default_code.code_within`'s (the default code, or one
         with fewer components where ``max_error`` asks for less, or refused with the figures).
         None for a row that takes no code or a ring of one rank. The process group, the DDP
         hooks, ``method="auto"`` and every call ask here."""

@@ -16,10 +16,10 @@ from dataclasses import fields
 from typing import Any
 
 from cerar._checks import check_choice, check_float, check_int
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.comm.collective.checks import check_packet_dtype
 from cerar.comm.collective.policies import NONFINITE_POLICIES
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = [
     "SETTINGS",

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.comm.ddp.state import CerarState
-from cerar.comm.ring.exact import new_group_like
-from cerar.comm.ring.groups import require_initialised
-from cerar.comm.ring.layout import NodeLayout, node_layout
+from cerar.comm.runtime.exact import new_group_like
+from cerar.comm.runtime.groups import require_initialised
+from cerar.comm.runtime.layout import NodeLayout, node_layout
 
 __all__ = ["HierarchicalState"]
 
@@ -36,7 +36,7 @@ class HierarchicalState(CerarState):
             ``LOCAL_WORLD_SIZE`` (default group only), resolved at the first bucket.
 
     Attributes: those of :class:`CerarState`, plus ``ranks_per_node`` as given and ``layout``,
-    this rank's :class:`cerar.comm.ring.layout.NodeLayout` (``None`` until the first bucket).
+    this rank's :class:`cerar.comm.runtime.layout.NodeLayout` (``None`` until the first bucket).
     """
 
     __slots__ = ("layout", "ranks_per_node")

@@ -46,9 +46,9 @@ from cerar.comm.ddp.checkpoint import STATE_DICT_FORMAT
 from cerar.comm.ddp.hierarchical import HierarchicalState
 from cerar.comm.ddp.replicas import SKETCH_SIZE, Replicas, replica_divergence, resync
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES, CerarState
-from cerar.comm.ring.exact import exact_all_reduce
-from cerar.comm.ring.stats import CommStats
-from cerar.comm.ring.work import chain, for_torch
+from cerar.comm.runtime.exact import exact_all_reduce
+from cerar.comm.runtime.stats import CommStats
+from cerar.comm.runtime.work import chain, for_torch
 
 __all__ = [
     "DEFAULT_MIN_BUCKET_BYTES",
@@ -199,5 +199,5 @@ def launch_bucket(
                 step_ended()
 
     buffer = bucket.buffer()
-    # DDP's C++ reads the hook's future: its error as for_torch makes it (cerar.comm.ring.work).
+    # DDP's C++ reads the hook's future: its error as for_torch makes it (cerar.comm.runtime.work).
     return for_torch(chain(future, done, [buffer.device] if buffer.is_cuda else None))

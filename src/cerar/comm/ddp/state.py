@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cerar._checks import check_choice
-from cerar.coding.code import MAX_ERROR, Code, check_max_error
+from cerar.coding.linear_code import MAX_ERROR, Code, check_max_error
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.ddp.checkpoint import (
     SETTINGS,
@@ -27,9 +27,9 @@ from cerar.comm.ddp.checkpoint import (
     to_state_dict,
 )
 from cerar.comm.ddp.replicas import ReplicaSync
-from cerar.comm.ring.exact import new_group_like
-from cerar.comm.ring.groups import require_initialised
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.exact import new_group_like
+from cerar.comm.runtime.groups import require_initialised
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = ["DEFAULT_MIN_BUCKET_BYTES", "CerarState"]
 

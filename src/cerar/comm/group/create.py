@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from cerar.coding.code import MAX_ERROR, Code
+from cerar.coding.linear_code import MAX_ERROR, Code
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
-from cerar.comm.ring.groups import require_initialised
-from cerar.comm.ring.handshake import SettingsMismatchError
-from cerar.comm.ring.links import group_timeout
+from cerar.comm.runtime.groups import require_initialised
+from cerar.comm.runtime.handshake import SettingsMismatchError
+from cerar.comm.runtime.links import group_timeout
 
 __all__ = ["BACKEND", "monitored_barrier", "new_group", "register_backend"]
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from cerar._checks import check_int
 from cerar.comm.group.create import check_timeout, new_group
-from cerar.comm.ring.groups import require_initialised
+from cerar.comm.runtime.groups import require_initialised
 
 __all__ = ["HSDPGroups", "all_reduce_hook", "hsdp_groups", "set_all_reduce_hook"]
 

@@ -1,7 +1,7 @@
 """The calls cerar's process group hands to its exact group, issued in order with cerar's own.
 
 Gloo pairs a group's collectives by their order, and cerar's calls run on its communication
-thread (:mod:`cerar.comm.ring.thread`): a call handed over from the caller's thread could overtake,
+thread (:mod:`cerar.comm.runtime.thread`): a call handed over from the caller's thread could overtake,
 on one rank and not on another, a cerar call queued before it. So the group issues what it hands
 over on the communication thread too, behind everything queued before it.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.comm.ring.thread import COMM
+from cerar.comm.runtime.thread import COMM
 
 __all__ = ["future_of", "issue_in_order"]
 

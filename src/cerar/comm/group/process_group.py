@@ -25,7 +25,7 @@ ranks that differ raise :class:`cerar.SettingsMismatchError` naming the setting,
 instead of one rank coding what another hands over. What the group hands over is issued on
 cerar's communication thread, in the order of the calls, so ``wait(timeout=)`` is honoured while an
 agreement waits on a stopped peer. Every all-reduce returns cerar's one
-:class:`~cerar.comm.ring.work.Work` (value: the tensors, reduced in place); its errors (a dead
+:class:`~cerar.comm.runtime.work.Work` (value: the tensors, reduced in place); its errors (a dead
 peer, a mismatch, ``nonfinite="raise"``) reach ``wait()`` with their own type. Two groups are
 made for it (:func:`cerar.comm.group.create.new_group`): ``exact`` for everything handed over,
 ``transport`` for cerar's own point-to-point messages, so that these never share a communicator
@@ -48,15 +48,15 @@ import torch.distributed as dist
 
 import cerar.comm.auto.collective  # noqa: F401 (registers the auto row)
 from cerar._checks import check_int
-from cerar.coding.code import MAX_ERROR, Code
+from cerar.coding.linear_code import MAX_ERROR, Code
 from cerar.comm.collective.call import agree_call
 from cerar.comm.collective.request import Settings
 from cerar.comm.collective.routes import Route, get_route, route_for, start
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.in_order import issue_in_order
-from cerar.comm.ring.groups import ring_of
-from cerar.comm.ring.thread import COMM
-from cerar.comm.ring.work import Work, chain
+from cerar.comm.runtime.groups import ring_of
+from cerar.comm.runtime.thread import COMM
+from cerar.comm.runtime.work import Work, chain
 
 __all__ = ["CerarProcessGroup", "GroupSettings", "RouteStats", "exact"]
 

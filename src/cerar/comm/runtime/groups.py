@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cerar.comm.ring.links import Ring
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.links import Ring
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = [
     "ORIGIN",
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: The thread a call came from, as :func:`thread_key` names it: set by the communication thread
-#: while it runs the call (:mod:`cerar.comm.ring.thread`), read by :func:`count_call`.
+#: while it runs the call (:mod:`cerar.comm.runtime.thread`), read by :func:`count_call`.
 ORIGIN = threading.local()
 
 
@@ -84,10 +84,10 @@ class GroupState:
             exponent the last CERAR call of that size ended with.
         agreed: the ``(key, settings hash)`` pairs (the same key) of the CERAR calls that every
             rank completed: a later call of one of them is of an agreed layout
-            (:class:`cerar.comm.ring.handshake.OpenHandshake`), also when calls of other settings at
+            (:class:`cerar.comm.runtime.handshake.OpenHandshake`), also when calls of other settings at
             that size came between (two codes, or methods a benchmark runs in turns).
         nodes: per ``ranks_per_node``, the hierarchical path's node groups.
-        ring: this process's :class:`cerar.comm.ring.links.Ring` over the group (``False`` if it
+        ring: this process's :class:`cerar.comm.runtime.links.Ring` over the group (``False`` if it
             is not a member), worked out by the first call (the group's membership is fixed).
     """
 

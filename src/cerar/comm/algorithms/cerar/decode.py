@@ -1,22 +1,22 @@
 """CERAR's decode on one rank: each piece's sum ``S_hat = D X + W R``, by one of two small objects
-:class:`cerar.comm.kernels.cerar_run.CerarRun` chooses between (built on the layout,
-:class:`cerar.comm.kernels.cerar_state.CerarLayout`, and armed with each call,
-:class:`cerar.comm.kernels.cerar_state.CerarCall`):
+:class:`cerar.comm.algorithms.cerar.run.CerarRun` chooses between (built on the layout,
+:class:`cerar.comm.algorithms.cerar.state.CerarLayout`, and armed with each call,
+:class:`cerar.comm.algorithms.cerar.state.CerarCall`):
 
 * :class:`CompiledDecode`: the whole sum of a piece in one compiled pass once its last
-  observation lands (:mod:`cerar.comm.kernels.native`, CPU float32, up to 32 components);
+  observation lands (:mod:`cerar.comm.algorithms.native`, CPU float32, up to 32 components);
 * :class:`FoldedDecode`: the torch ops, accumulated in float64 (float32 for 16-bit packets) in the
   ``(c, w)`` layout of the component matrix (a short, wide product: two to three times faster
   than the tall, thin ``(w, c)`` one), about three groups of observation slots at a time
-  (:func:`cerar.comm.kernels.plans.slot_groups`): the own part and the first group when that
+  (:func:`cerar.comm.algorithms.cerar.plans.slot_groups`): the own part and the first group when that
   group has landed, each later group as one ``addmm`` when its last slot lands, so the tail
   after the last byte is one piece's last group.
 
 Both write the piece's sum, times ``2**q`` (the scale of a copied input), over its input only
-if :meth:`cerar.comm.kernels.cerar_state.CerarCall.decide` says so, and time themselves into the
+if :meth:`cerar.comm.algorithms.cerar.state.CerarCall.decide` says so, and time themselves into the
 call's ``decode_s`` and ``coding_cpu_s``. Three one-pass forms save a pass each and return,
 bitwise, what the separate passes they replace return: :func:`own_part_target`,
-:func:`write_transposed` and :func:`cerar.comm.kernels.encode.add_rounded`. (Compiled kernels from
+:func:`write_transposed` and :func:`cerar.comm.algorithms.cerar.encode.add_rounded`. (Compiled kernels from
 ``torch.compile`` were measured too and not kept: each call pays dynamo's guard checks, more
 than a piece's fused pass saves, and its folds were slower than MKL's ``addmm``.)
 """
@@ -29,11 +29,11 @@ import time
 
 import torch
 
-from cerar.comm.kernels.cerar_state import Armed, CerarCall, CerarLayout
-from cerar.comm.kernels.native import FusedDecoder
-from cerar.comm.kernels.plans import ScaledMatrices, slot_groups
-from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.engine import Action
+from cerar.comm.algorithms.cerar.plans import ScaledMatrices, slot_groups
+from cerar.comm.algorithms.cerar.state import Armed, CerarCall, CerarLayout
+from cerar.comm.algorithms.native import FusedDecoder
+from cerar.comm.algorithms.workspace import WORKSPACE
+from cerar.comm.runtime.engine import Action
 
 __all__ = [
     "CompiledDecode",

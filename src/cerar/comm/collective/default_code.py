@@ -8,7 +8,7 @@ import functools
 import torch
 
 from cerar.coding import codes
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.coding.precision import precision_name
 
 __all__ = ["check_usable", "code_within", "default_code", "resolve_code", "working_dtype"]

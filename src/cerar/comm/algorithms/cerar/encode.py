@@ -1,10 +1,10 @@
 """CERAR's encode on one rank: every round's increment ``X f_t`` of each piece, computed ahead of
-the round that sends it, by one of two small objects :class:`cerar.comm.kernels.cerar_run.CerarRun`
-chooses between (built on the layout, :class:`cerar.comm.kernels.cerar_state.CerarLayout`, and
-armed with each call, :class:`cerar.comm.kernels.cerar_state.CerarCall`):
+the round that sends it, by one of two small objects :class:`cerar.comm.algorithms.cerar.run.CerarRun`
+chooses between (built on the layout, :class:`cerar.comm.algorithms.cerar.state.CerarLayout`, and
+armed with each call, :class:`cerar.comm.algorithms.cerar.state.CerarCall`):
 
 * :class:`CompiledEncode`: every round's increments of a piece in one pass over its input, in
-  round 1 (:mod:`cerar.comm.kernels.native`, CPU float32, codes of 8, 16, 24 or 32 components);
+  round 1 (:mod:`cerar.comm.algorithms.native`, CPU float32, codes of 8, 16, 24 or 32 components);
 * :class:`BatchedEncode`: the torch ops, ``B = max(4, c / 2)`` rounds at a time, one ``(B, c) x
   (c, w)`` product on the piece's rows (MKL runs it about four times faster per round than a
   matrix-vector product per round), a batch ahead of the rounds that send them.
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from cerar.comm.kernels.cerar_state import Armed, CerarLayout
-from cerar.comm.kernels.native import FusedEncoder
-from cerar.comm.kernels.plans import ScaledMatrices
-from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.engine import Action
+from cerar.comm.algorithms.cerar.plans import ScaledMatrices
+from cerar.comm.algorithms.cerar.state import Armed, CerarLayout
+from cerar.comm.algorithms.native import FusedEncoder
+from cerar.comm.algorithms.workspace import WORKSPACE
+from cerar.comm.runtime.engine import Action
 
 __all__ = ["BatchedEncode", "CompiledEncode", "add_rounded", "encode_rounds"]
 
@@ -32,7 +32,7 @@ __all__ = ["BatchedEncode", "CompiledEncode", "add_rounded", "encode_rounds"]
 def encode_rounds(rows: torch.Tensor, piece: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """A batch of rounds' increments of one piece: ``out = rows @ piece^T`` (``rows`` the
     batch's ``(B, c)`` increment rows, zero padded to
-    :func:`cerar.comm.kernels.plans.rounds_per_product`; ``piece`` the piece's ``(w, c)`` values;
+    :func:`cerar.comm.algorithms.cerar.plans.rounds_per_product`; ``piece`` the piece's ``(w, c)`` values;
     ``out`` ``(B, w)``, row ``r`` the batch's ``r``-th round)."""
     return torch.mm(rows, piece.t(), out=out)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from cerar._checks import check_int
-from cerar.comm.ring.groups import require_initialised
+from cerar.comm.runtime.groups import require_initialised
 
 __all__ = ["NodeLayout", "node_layout"]
 

@@ -1,4 +1,4 @@
-"""The pipelined round engine both runs (:mod:`cerar.comm.kernels`) run on.
+"""The pipelined round engine both runs (:mod:`cerar.comm.algorithms`) run on.
 
 Every round of a ring algorithm sends one packet to the next rank and receives one from the
 previous; round ``t+1``'s packet depends on round ``t``'s only column by column. :func:`run_program`
@@ -8,7 +8,7 @@ other segments are still on the wire. Receives are posted before sends (Gloo's s
 the peer's receive). Device-agnostic: CPU tensors on Gloo, CUDA tensors on NCCL.
 
 The engine runs a :class:`Program`: every piece of every round as its views and the torch ops
-that fill them, bound once (by :class:`cerar.comm.kernels.cerar_run.CerarRun`, once per layout), so
+that fill them, bound once (by :class:`cerar.comm.algorithms.cerar.run.CerarRun`, once per layout), so
 that a round costs the engine a few Python calls per piece rather than a few dozen; the
 communication thread holds the GIL that long less, and backward gets it back.
 """
@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from cerar.comm.ring.links import DATA_TAG, Ring, apart_posters, pair_poster, wait_for
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.links import DATA_TAG, Ring, apart_posters, pair_poster, wait_for
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = ["Action", "Gate", "Piece", "Program", "run_program", "segments", "settle_round"]
 
@@ -73,7 +73,7 @@ class Program:
 
 class Gate(Protocol):
     """What :func:`run_program` needs of a handshake still open beside round 1
-    (:class:`cerar.comm.ring.handshake.OpenHandshake`)."""
+    (:class:`cerar.comm.runtime.handshake.OpenHandshake`)."""
 
     @property
     def predecessor_agrees(self) -> bool: ...

@@ -407,7 +407,7 @@ int cerar_native_version(void) { return 4; }
 
 /* ---- block-quantized packets: int8, float8 e4m3fn, packed int4 ----------------------------- */
 
-/* The block-quantized ring's coding (cerar/comm/kernels/quantize.py holds the torch ops these
+/* The block-quantized ring's coding (cerar/comm/algorithms/ring/quantize.py holds the torch ops these
    match bit for bit; cerar/coding/blocks.py the format). Values in blocks of `block` (the last
    one of a piece may be shorter). Per block: absmax = max |x|, s = absmax / QMAX (127 for int8,
    448 for float8 e4m3fn, 7 for int4) rounded to the scale's type (float32, float16 or bfloat16,

@@ -1,5 +1,5 @@
 """CERAR on one rank for one layout: its buffers and the program of its rounds, bound once and run
-for each call on the engine of :mod:`cerar.comm.ring.engine`.
+for each call on the engine of :mod:`cerar.comm.runtime.engine`.
 
 Layout: component ``k`` of a rank's ``d`` values takes every ``c``-th value (values ``k, k + c,
 k + 2c, ...``), so the ``(c, m)`` component matrix is the ``(m, c)`` view of the flat tensor,
@@ -10,9 +10,10 @@ padded) when ``c`` does not divide ``d``.
 
 The coding is spread over the rounds, piece by piece, and kept off the critical path (in the
 engine's ``landed`` hook, once the piece's next round is on the wire): the encode and the decode
-are each one of two small objects (:mod:`cerar.comm.kernels.encode`, :mod:`cerar.comm.kernels.decode`),
-compiled where :mod:`cerar.comm.kernels.native` can serve the layout, torch ops elsewhere. What
-the layout fixes and what one call holds are two records (:mod:`cerar.comm.kernels.cerar_state`).
+are each one of two small objects (:mod:`cerar.comm.algorithms.cerar.encode`,
+:mod:`cerar.comm.algorithms.cerar.decode`),
+compiled where :mod:`cerar.comm.algorithms.native` can serve the layout, torch ops elsewhere. What
+the layout fixes and what one call holds are two records (:mod:`cerar.comm.algorithms.cerar.state`).
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from cerar.coding.code import Code
-from cerar.comm.kernels import native
-from cerar.comm.kernels.cerar_state import CerarCall, CerarLayout
-from cerar.comm.kernels.decode import CompiledDecode, FoldedDecode
-from cerar.comm.kernels.encode import BatchedEncode, CompiledEncode, add_rounded
-from cerar.comm.kernels.plans import accumulator_dtype, rank_matrices, scaled_matrices
-from cerar.comm.kernels.scale import PacketScale
-from cerar.comm.kernels.workspace import WORKSPACE
-from cerar.comm.ring.engine import Action, Gate, Piece, Program, run_program, segments
-from cerar.comm.ring.links import Ring
-from cerar.comm.ring.maxima import MaximaChain
-from cerar.comm.ring.stats import CommStats
+from cerar.coding.linear_code import Code
+from cerar.comm.algorithms import native
+from cerar.comm.algorithms.cerar.decode import CompiledDecode, FoldedDecode
+from cerar.comm.algorithms.cerar.encode import BatchedEncode, CompiledEncode, add_rounded
+from cerar.comm.algorithms.cerar.plans import accumulator_dtype, rank_matrices, scaled_matrices
+from cerar.comm.algorithms.cerar.scale import PacketScale
+from cerar.comm.algorithms.cerar.state import CerarCall, CerarLayout
+from cerar.comm.algorithms.workspace import WORKSPACE
+from cerar.comm.runtime.engine import Action, Gate, Piece, Program, run_program, segments
+from cerar.comm.runtime.links import Ring
+from cerar.comm.runtime.maxima import MaximaChain
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = ["CerarOutcome", "CerarRun"]
 
@@ -63,10 +64,10 @@ class CerarRun:
     workspace keeps its buffers (DDP repeats its buckets every step), then run for each call.
 
     1. While round 1 is on the wire, one pass over the input finds its ``max|x|`` (``inf`` for
-       NaN/Inf); :class:`cerar.comm.ring.maxima.MaximaChain` carries every rank's in front of the
+       NaN/Inf); :class:`cerar.comm.runtime.maxima.MaximaChain` carries every rank's in front of the
        first piece of rounds ``2 .. N`` (no message of its own).
     2. Each piece's increments are computed ahead (:attr:`encode`) from ``X / s``: ``s = 2**(r +
-       q)`` for the scale's split ``(r, q)`` (:meth:`cerar.comm.kernels.scale.PacketScale.split`),
+       q)`` for the scale's split ``(r, q)`` (:meth:`cerar.comm.algorithms.cerar.scale.PacketScale.split`),
        ``2**r`` folded into the increment rows and the decoder (exact, and free), ``2**q`` (0 but
        near the ends of the dtype's range) dividing a copy of the input. Sending a piece (its
        ``prepare``) adds its round's increment to what arrived, in the packet dtype (a 16-bit
@@ -74,15 +75,15 @@ class CerarRun:
     3. Observations arrive straight into their slot and are decoded (:attr:`decode`), times
        ``2**r``, once the piece's next round is on the wire.
     4. When the last round's piece lands, the chain has long completed: the call
-       (:meth:`cerar.comm.kernels.cerar_state.CerarCall.decide`) asks its
-       :class:`~cerar.comm.kernels.scale.PacketScale` whether every rank's data fitted (the same
+       (:meth:`cerar.comm.algorithms.cerar.state.CerarCall.decide`) asks its
+       :class:`~cerar.comm.algorithms.cerar.scale.PacketScale` whether every rank's data fitted (the same
        answer on every rank; non-finite data: ``write_nonfinite``), and the piece's sum, times
        ``2**q``, is written (or nothing is, and the input stays intact for the caller's fallback
        or redo).
 
     Kept per layout: :attr:`layout` (sizes, pieces, buffers), the chain, the encode and decode
     objects and the bound :attr:`program`. One call's state is a
-    :class:`~cerar.comm.kernels.cerar_state.CerarCall` that :meth:`run` makes, hands to the
+    :class:`~cerar.comm.algorithms.cerar.state.CerarCall` that :meth:`run` makes, hands to the
     encode and decode (:attr:`call`, the program's own ops read it there) and drops when it
     returns: a kept layout holds no caller's tensor.
     """
@@ -139,7 +140,7 @@ class CerarRun:
             recv=WORKSPACE.get("recv", (2, f + m), packet, device),  # rounds before the first observation
             observations=WORKSPACE.get("observations", (c, f + m), packet, device),
         )  # fmt: skip
-        # The compiled coding where it serves this layout (cerar.comm.kernels.native), else the torch ops.
+        # The compiled coding where it serves this layout (cerar.comm.algorithms.native), else the torch ops.
         encoder = native.fused_encoder(plan.increments / rows_scale, dtype, device)  # exact: a power of two
         decoder = native.fused_decoder(plan.decode_own, plan.decode_obs * rows_scale, dtype, packet, device)
         self.encode = BatchedEncode(layout, scaled) if encoder is None else CompiledEncode(layout, encoder)
@@ -215,7 +216,7 @@ class CerarRun:
     ) -> CerarOutcome:
         """One call on ``flat`` (this layout's size and dtype) at ``scale``: the rounds, then the
         decision. ``gate``: a handshake to finish once round 1 is on the wire
-        (:func:`cerar.comm.ring.engine.run_program`)."""
+        (:func:`cerar.comm.runtime.engine.run_program`)."""
         call = self._start(flat, scale, write_nonfinite)
         self._arm(call)
         try:

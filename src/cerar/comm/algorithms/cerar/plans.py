@@ -1,5 +1,5 @@
 """A rank's CERAR matrices as torch tensors, and how the rounds and slots are grouped for the
-torch ops: what :class:`cerar.comm.kernels.cerar_run.CerarRun` and its encode and decode objects
+torch ops: what :class:`cerar.comm.algorithms.cerar.run.CerarRun` and its encode and decode objects
 read, built once per code, rank and device (and per packet scale for the scaled forms).
 
 * the encode computes ``B = max(4, c / 2)`` rounds' increments in one product
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.protocol.schedule import Schedule
 
 __all__ = [

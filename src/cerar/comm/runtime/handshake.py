@@ -9,7 +9,7 @@ of the ring's 3; N = 8: 3 instead of 7). The header is ``[h, -h, k, -k, max|x|, 
 
 * ``h``: a 48-bit hash of the call's settings (code, dtype, size, op, policy). All ranks agree
   iff ``max(h) == -max(-h)``, i.e. the largest hash equals the smallest.
-* ``k``: this rank's number of the call (:class:`cerar.comm.ring.groups.CallNumber`: its count
+* ``k``: this rank's number of the call (:class:`cerar.comm.runtime.groups.CallNumber`: its count
   of cerar calls on the group, counted when the call is made, before its checks, so that a call
   one rank abandoned still counts there, with the calling thread and that thread's own count).
   Equal numbers mean every rank is at the same call of the same thread; different ones mean one
@@ -37,7 +37,7 @@ found there raises on every rank once the posted messages have completed (their 
 discarded). A skipped, extra or mismatched call thus still raises everywhere; what the agreed
 call saves is the latency of all hops but the first.
 
-CERAR checks finiteness and magnitude later, overlapped: :class:`cerar.comm.ring.maxima.MaximaChain`
+CERAR checks finiteness and magnitude later, overlapped: :class:`cerar.comm.runtime.maxima.MaximaChain`
 carries every rank's ``max|x|`` inside data rounds ``2 .. N``, so the check costs one pass over the
 input while round 1 is on the wire instead of a pass before the call.
 
@@ -55,8 +55,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cerar.comm.ring.links import Ring, post_pair, wait_for
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.links import Ring, post_pair, wait_for
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = [
     "HANDSHAKE_TAG",
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 #: Point-to-point tags of cerar's messages (a program's own p2p on the group uses tag 0 by default).
-HANDSHAKE_TAG = 0x0CE1  # 0x0CE2 is the maxima chain's (cerar.comm.ring.maxima)
+HANDSHAKE_TAG = 0x0CE1  # 0x0CE2 is the maxima chain's (cerar.comm.runtime.maxima)
 GATHER_TAG = 0x0CE3
 _TEXT_BYTES = 2048  # one rank's settings summary on the failure path
 
@@ -119,7 +119,7 @@ def max_around(ring: Ring, total: torch.Tensor, tag: int, distances: Sequence[in
 
 
 class Proposal(NamedTuple):
-    """The packet scale fields of this rank's header (:class:`cerar.comm.kernels.scale.PacketScale`)."""
+    """The packet scale fields of this rank's header (:class:`cerar.comm.algorithms.cerar.scale.PacketScale`)."""
 
     max_abs: float = 0.0  # the data's ``max|x|`` where the call measured it (0: not measured)
     scale_exponent: int = 0  # the exponent this rank proposes
@@ -249,7 +249,7 @@ def handshake(
 
     Raises :class:`SettingsMismatchError` on every rank if the settings hashes or call counts
     differ, with every rank's ``summary`` (text, or a function that makes it: built only then).
-    Non-finite inputs are found later, overlapped (:class:`cerar.comm.ring.maxima.MaximaChain`).
+    Non-finite inputs are found later, overlapped (:class:`cerar.comm.runtime.maxima.MaximaChain`).
     """
     return open_handshake(ring, settings, counter, summary, proposal, device=device, stats=stats).finish()
 

@@ -56,7 +56,7 @@ class Ring:
 
     def at_distance(self, distance: int) -> Ring:
         """This ring with the ranks ``distance`` positions ahead and behind as the neighbours
-        (for :mod:`cerar.comm.ring.handshake`'s dissemination hops); needs ``peers``. Remembered, with
+        (for :mod:`cerar.comm.runtime.handshake`'s dissemination hops); needs ``peers``. Remembered, with
         its :attr:`endpoints`: every call's handshake takes the same hops."""
         if distance % self.size == 1 % self.size:
             return self

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.comm.ring.links import group_timeout
+from cerar.comm.runtime.links import group_timeout
 
 __all__ = ["exact_all_reduce", "new_group_like"]
 

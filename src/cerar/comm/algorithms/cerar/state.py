@@ -1,5 +1,5 @@
-"""What CERAR's run (:class:`cerar.comm.kernels.cerar_run.CerarRun`) shares with its encode and
-decode objects (:mod:`cerar.comm.kernels.encode`, :mod:`cerar.comm.kernels.decode`), kept apart
+"""What CERAR's run (:class:`cerar.comm.algorithms.cerar.run.CerarRun`) shares with its encode and
+decode objects (:mod:`cerar.comm.algorithms.cerar.encode`, :mod:`cerar.comm.algorithms.cerar.decode`), kept apart
 by lifetime:
 
 * :class:`CerarLayout`: what one layout fixes (sizes, pieces, dtypes, the packet buffers), built
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cerar.comm.kernels.scale import PacketScale
-from cerar.comm.ring.maxima import MaximaChain
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.algorithms.cerar.scale import PacketScale
+from cerar.comm.runtime.maxima import MaximaChain
+from cerar.comm.runtime.stats import CommStats
 
 __all__ = ["Armed", "CerarCall", "CerarLayout", "CodingTimes"]
 
@@ -63,7 +63,7 @@ class CerarLayout:
 @dataclass
 class CodingTimes:
     """What one call's coding took: wall time of the encode and of the decode, and the coding
-    thread's CPU time in both (:class:`cerar.comm.ring.stats.CommStats` has the meanings)."""
+    thread's CPU time in both (:class:`cerar.comm.runtime.stats.CommStats` has the meanings)."""
 
     encode_s: float = 0.0
     decode_s: float = 0.0

@@ -1,10 +1,10 @@
 """The block wires' kernels as a ring uses them (:class:`QuantOps`: quantize, dequantize,
 dequantize-add-requantize), compiled or torch ops, and how a chunk is cut into pieces of whole
-blocks (:func:`quant_pieces`). The ring itself is :func:`cerar.comm.kernels.ring_run.run_ring`
-with a :class:`cerar.comm.kernels.wires.BlockWire`.
+blocks (:func:`quant_pieces`). The ring itself is :func:`cerar.comm.algorithms.ring.program.run_ring`
+with a :class:`cerar.comm.algorithms.ring.wires.BlockWire`.
 
-The compiled kernels (:func:`cerar.comm.kernels.native.quant_kernels`) run for float32 on the
-CPU; elsewhere the torch ops of :mod:`cerar.comm.kernels.quantize`, which on CUDA queue their
+The compiled kernels (:func:`cerar.comm.algorithms.native.quant_kernels`) run for float32 on the
+CPU; elsewhere the torch ops of :mod:`cerar.comm.algorithms.ring.quantize`, which on CUDA queue their
 kernels without a host synchronisation inside the rounds.
 """
 
@@ -16,15 +16,15 @@ from typing import Protocol
 import torch
 
 from cerar.coding.blocks import SCALE_ITEMSIZE, BlockFormat
-from cerar.comm.kernels import native
-from cerar.comm.kernels.quantize import (
+from cerar.comm.algorithms import native
+from cerar.comm.algorithms.ring.quantize import (
     dequant_add_requant,
     dequantize_add_,
     dequantize_into,
     packet_bytes,
     quantize_into,
 )
-from cerar.comm.ring.engine import segments
+from cerar.comm.runtime.engine import segments
 
 __all__ = ["QuantOps", "TorchQuantOps", "quant_ops", "quant_pieces"]
 
@@ -32,7 +32,7 @@ _ALIGN = 16  # bytes between the starts of a round's packets in its buffer
 
 
 class QuantOps(Protocol):
-    """The 8-bit coding a run uses: :class:`cerar.comm.kernels.native.QuantKernels` or
+    """The 8-bit coding a run uses: :class:`cerar.comm.algorithms.native.QuantKernels` or
     :class:`TorchQuantOps` (the same bits)."""
 
     def quantize(self, x: torch.Tensor, packet: torch.Tensor) -> None: ...
@@ -41,7 +41,7 @@ class QuantOps(Protocol):
 
 
 class TorchQuantOps:
-    """:mod:`cerar.comm.kernels.quantize`'s torch ops for one format, as :class:`QuantOps`."""
+    """:mod:`cerar.comm.algorithms.ring.quantize`'s torch ops for one format, as :class:`QuantOps`."""
 
     __slots__ = ("fmt",)
 
@@ -68,7 +68,7 @@ def quant_ops(fmt: BlockFormat, data: torch.dtype, device: torch.device) -> Quan
 def quant_pieces(chunk: int, fmt: BlockFormat) -> list[tuple[int, int, int, int]]:
     """The pieces of a chunk of ``chunk`` values: ``(first value, end, packet offset, packet bytes)``,
     whole blocks each (the chunk's last block may be shorter), about 256 KiB of packet apiece
-    (:func:`cerar.comm.ring.engine.segments`), the packets ``_ALIGN``-aligned in a round's buffer.
+    (:func:`cerar.comm.runtime.engine.segments`), the packets ``_ALIGN``-aligned in a round's buffer.
     Each piece is its own packet, its scales then its codes; an int4 block is even
     (:class:`BlockFormat` refuses an odd one), so a piece's first value, a block's start, is a
     whole byte into the chunk's codes and only the chunk's last piece can end on a pad nibble."""

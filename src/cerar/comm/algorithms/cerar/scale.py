@@ -2,11 +2,11 @@
 remembers it (the maths of its window is :mod:`cerar.coding.scaling`).
 
 A call's packets are its increments divided by ``2**e`` (exact). ``e`` starts from the one the
-previous call of this size on this ring ended with (:class:`cerar.comm.ring.groups.GroupState`
+previous call of this size on this ring ended with (:class:`cerar.comm.runtime.groups.GroupState`
 remembers it), or, for a narrow format (float16) without one, from the data's largest magnitude
 measured before the call; the handshake carries this rank's :meth:`PacketScale.proposal` and
 every rank takes what :meth:`PacketScale.agree` makes of the agreed header, so ``e`` is the same
-everywhere. The maxima that travel with the rounds (:class:`cerar.comm.ring.maxima.MaximaChain`)
+everywhere. The maxima that travel with the rounds (:class:`cerar.comm.runtime.maxima.MaximaChain`)
 tell every rank whether the data fitted (:meth:`PacketScale.admits`); if not, the call is redone
 at a scale that fits (:meth:`PacketScale.redo`), and the next call of the size starts from
 :meth:`PacketScale.remember`'s choice.
@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.coding.precision import precision_name
 from cerar.coding.scaling import ScaleWindow, scale_window
-from cerar.comm.ring.groups import group_state
-from cerar.comm.ring.handshake import Agreed, Proposal
-from cerar.comm.ring.links import Ring
-from cerar.comm.ring.maxima import max_abs
+from cerar.comm.runtime.groups import group_state
+from cerar.comm.runtime.handshake import Agreed, Proposal
+from cerar.comm.runtime.links import Ring
+from cerar.comm.runtime.maxima import max_abs
 from cerar.protocol.schedule import Schedule
 
 __all__ = ["PacketScale", "cerar_scale_window"]

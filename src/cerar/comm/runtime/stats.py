@@ -33,7 +33,7 @@ class CommStats:
         rescales: CERAR calls redone at a new packet scale because their data left the packet
             format's safe range at the previous one (:mod:`cerar.coding.scaling`).
         agreed_calls: CERAR calls of a layout every rank had agreed before, whose first data
-            round went out beside the handshake's last hops (:mod:`cerar.comm.ring.handshake`).
+            round went out beside the handshake's last hops (:mod:`cerar.comm.runtime.handshake`).
     """
 
     calls: int = 0

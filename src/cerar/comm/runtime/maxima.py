@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from cerar.comm.ring.links import Ring, post_pair, wait_for
+from cerar.comm.runtime.links import Ring, post_pair, wait_for
 
 __all__ = ["FLAG_TAG", "MaximaChain", "max_abs"]
 

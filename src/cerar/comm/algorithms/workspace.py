@@ -1,5 +1,5 @@
 """Scratch memory the runs reuse across calls (:class:`Workspace`), one per group's
-communication thread (:mod:`cerar.comm.ring.thread`)."""
+communication thread (:mod:`cerar.comm.runtime.thread`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from cerar.comm.ring.thread import RUNNING
+from cerar.comm.runtime.thread import RUNNING
 
 __all__ = ["WORKSPACE", "Workspace"]
 
@@ -25,7 +25,7 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
-        self.bound: dict[Any, Any] = {}  # e.g. CerarRun by layout (cerar.comm.kernels.cerar_run)
+        self.bound: dict[Any, Any] = {}  # e.g. CerarRun by layout (cerar.comm.algorithms.cerar.run)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (name, dtype, str(device))

@@ -2,7 +2,7 @@
 
 The node groups (``dist.new_group``, a collective) are created once per ``(group, ranks_per_node)``
 on the caller's thread, in the same order on every rank, and cached in the group's
-:class:`cerar.comm.ring.groups.GroupState`; for the default group every rank creates every node's
+:class:`cerar.comm.runtime.groups.GroupState`; for the default group every rank creates every node's
 group, for a subgroup each member creates its own node's (``use_local_synchronization``). The
 rings between nodes need no group of their own: they are point-to-point on the parent group
 between the ranks of equal local rank. The first call of a ``(group, ranks_per_node)`` agrees on
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cerar.comm.ring.groups import count_call, group_state, ring_of
-from cerar.comm.ring.handshake import handshake, settings_hash
-from cerar.comm.ring.layout import NodeLayout, node_layout
-from cerar.comm.ring.links import Ring, group_timeout
-from cerar.comm.ring.thread import COMM
+from cerar.comm.runtime.groups import count_call, group_state, ring_of
+from cerar.comm.runtime.handshake import handshake, settings_hash
+from cerar.comm.runtime.layout import NodeLayout, node_layout
+from cerar.comm.runtime.links import Ring, group_timeout
+from cerar.comm.runtime.thread import COMM
 
 __all__ = ["Nodes", "prepare_nodes"]
 

@@ -16,7 +16,7 @@ event is recorded on the caller's current stream of the tensor's device; the com
 thread sets that device and runs the call on a dedicated stream (one per device) that first
 waits for that event, so it sees everything the caller queued before; the call's future is a
 CUDA-aware ``torch.futures.Future(devices=[...])`` completed on that stream after the call, so a
-blocking call, :meth:`cerar.comm.ring.work.Work.wait` and a consumer's ``wait()`` order the
+blocking call, :meth:`cerar.comm.runtime.work.Work.wait` and a consumer's ``wait()`` order the
 caller's current stream after the result (no host synchronisation).
 
 Threads. The ranks' calls pair up by their order, so every rank must issue them in the same
@@ -25,14 +25,14 @@ order, and calls made from several Python threads at once have no order across r
 a thread's calls are in flight **waits** until every one of them has completed (a sync call
 returned, an async one's handle completed), then takes over (:meth:`CommThread.submit`); and
 every call carries the thread it came from and that thread's own count of calls on the group
-into its handshake (:class:`cerar.comm.ring.groups.CallNumber`), so calls of different threads
+into its handshake (:class:`cerar.comm.runtime.groups.CallNumber`), so calls of different threads
 that meet raise :class:`cerar.SettingsMismatchError` on every rank instead of summing unrelated
 tensors. DDP's hooks run on the thread that calls ``backward()`` (on an accelerator, autograd's,
 a "native" thread on every rank), FSDP2's likewise, the loss logging after it on the main
 thread: one thread at a time, as every collective library needs. A blocking call from a group's
 communication thread onto the same group (a callback), which would wait on itself forever, raises.
 :data:`RUNNING` tells code running on a communication thread whose it is (the scratch memory of
-:mod:`cerar.comm.kernels.workspace` is kept per group: two groups' calls run at once).
+:mod:`cerar.comm.algorithms.workspace` is kept per group: two groups' calls run at once).
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.comm.ring.groups import ORIGIN, thread_key
-from cerar.comm.ring.work import Work
+from cerar.comm.runtime.groups import ORIGIN, thread_key
+from cerar.comm.runtime.work import Work
 
-__all__ = ["COMM", "RUNNING", "CerarWork", "CommThread", "ShutdownError", "Work"]
+__all__ = ["COMM", "RUNNING", "CommThread", "ShutdownError", "Work"]
 
 #: How long :meth:`CommThread.shutdown` waits for the calls already submitted, by default. The
 #: calls of a healthy ring finish in well under this; a call waiting on a dead peer fails by
@@ -117,10 +117,6 @@ def _key(group: Any) -> Any:
     return group
 
 
-#: The name the async handle had before one class served every way in.
-CerarWork = Work
-
-
 @dataclass(frozen=True)
 class _Job:
     """One queued call: what runs, the future it completes (value: ``tensors``), and on an
@@ -130,7 +126,7 @@ class _Job:
     future: torch.futures.Future[list[torch.Tensor]]
     tensors: list[torch.Tensor]
     sync: _DeviceSync | None
-    origin: str = field(default_factory=thread_key)  # the submitting thread (cerar.comm.ring.groups)
+    origin: str = field(default_factory=thread_key)  # the submitting thread (cerar.comm.runtime.groups)
     token: object = field(default_factory=object)
 
 
