@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_bool, check_choice
-from cerar.comm.collective.policies import NONFINITE_POLICIES
-from cerar.comm.ring.stats import CommStats
+from cerar._checks import check_bool
+from cerar.comm.runtime.dtypes import DTYPES
+from cerar.comm.runtime.stats import CommStats
 
 # check_bool: from cerar._checks
 __all__ = ["check_bool", "check_op", "check_stats", "check_tensor", "check_wire_dtype", "overlaps_itself"]
@@ -88,19 +88,22 @@ def check_stats(stats: Any) -> None:
         raise TypeError(f"Argument 'stats' must be a cerar.CommStats or None, not {type(stats).__name__}.")
 
 
-PACKET_DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16)
+PACKET_DTYPES = (None, *(DTYPES[name] for name in ("fp32", "fp64", "fp16", "bf16")))
 #: A ring's wires: CERAR's packets, and the 8-bit block-quantized ones (:mod:`cerar.coding.blocks`).
-WIRE_DTYPES = (*PACKET_DTYPES, torch.int8, torch.float8_e4m3fn)
+WIRE_DTYPES = (*PACKET_DTYPES, DTYPES["int8"], DTYPES["fp8"])
+
+
+def _listed(dtypes: tuple[torch.dtype | None, ...]) -> str:
+    """``None, torch.float32, ... or torch.bfloat16``."""
+    names = [str(dtype) for dtype in dtypes]
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def check_wire_dtype(wire_dtype: Any, name: str = "wire_dtype") -> torch.dtype | None:
     """A ring's ``wire_dtype`` checked: None, float32, float64, float16, bfloat16, int8 or
     float8_e4m3fn."""
     if wire_dtype not in WIRE_DTYPES:
-        raise ValueError(
-            f"Argument {name!r} must be None, torch.float32, torch.float64, torch.float16, torch.bfloat16, "
-            f"torch.int8 or torch.float8_e4m3fn, not {wire_dtype!r}."
-        )
+        raise ValueError(f"Argument {name!r} must be {_listed(WIRE_DTYPES)}, not {wire_dtype!r}.")
     return wire_dtype
 
 
@@ -108,26 +111,5 @@ def check_packet_dtype(packet_dtype: Any, name: str = "packet_dtype") -> torch.d
     """``packet_dtype`` (or the argument ``name``, a ring's ``wire_dtype``) checked: None,
     float32, float64, float16 or bfloat16."""
     if packet_dtype not in PACKET_DTYPES:
-        raise ValueError(
-            f"Argument {name!r} must be None, torch.float32, torch.float64, torch.float16 or "
-            f"torch.bfloat16, not {packet_dtype!r}."
-        )
+        raise ValueError(f"Argument {name!r} must be {_listed(PACKET_DTYPES)}, not {packet_dtype!r}.")
     return packet_dtype
-
-
-def check_coded_call(
-    tensor: Any, op: Any, async_op: Any, nonfinite: Any, packet_dtype: Any, code: Any, stats: Any
-) -> tuple[str, bool, str, torch.dtype | None]:
-    """The argument checks every CERAR collective runs on the caller's thread before anything is
-    queued: ``(op, async_op, nonfinite, packet_dtype)`` normalised (``code`` a Code or None)."""
-    from cerar.coding.code import Code  # the maths layer; here to keep this module's imports light
-
-    check_tensor(tensor)
-    reduce_op = check_op(op)
-    async_op = check_bool("async_op", async_op)
-    nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-    packet_dtype = check_packet_dtype(packet_dtype)
-    if code is not None and not isinstance(code, Code):
-        raise TypeError(f"Argument 'code' must be a cerar.Code or None, not {type(code).__name__}.")
-    check_stats(stats)
-    return reduce_op, async_op, nonfinite, packet_dtype

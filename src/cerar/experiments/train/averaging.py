@@ -18,7 +18,7 @@ Each runs its row of the route table (:data:`cerar.experiments.train.installed.R
 method but ``cerar`` leaves every rank with the same values; CERAR's
 ranks decode slightly different ones (within the code's error of the mean). Computed bytes use
 the ring formula of :func:`cerar.experiments.train.methods.ring_bytes`; measured ones are
-:class:`cerar.comm.ring.stats.CommStats`'. Calls come from the training loop's thread after the
+:class:`cerar.comm.runtime.stats.CommStats`'. Calls come from the training loop's thread after the
 optimizer step, with no DDP bucket in flight, so they run on the default group.
 """
 
@@ -29,13 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.comm.ring.stats import CommStats
+from cerar.comm.runtime.dtypes import DTYPES
+from cerar.comm.runtime.stats import CommStats
 from cerar.experiments.train.installed import ROWS, HookSettings, cerar_code, ring_bytes
 
 __all__ = ["FlatAverager"]
-
-#: The 16-bit casts of ``fp16`` and ``bf16``.
-_CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class FlatAverager:
@@ -45,7 +43,7 @@ class FlatAverager:
         method: ``allreduce``, ``fp16``, ``bf16``, ``ring`` or ``cerar``.
         identical: every rank ends a call with the same values (all but ``cerar``).
         measured: the bytes are the transport's (``ring``, ``cerar``), not the ring formula's.
-        stats: ``ring``/``cerar``'s :class:`~cerar.comm.ring.stats.CommStats` (bytes, coding time,
+        stats: ``ring``/``cerar``'s :class:`~cerar.comm.runtime.stats.CommStats` (bytes, coding time,
             fallbacks, rescales), summed over the calls.
         bytes_computed: the ring formula's bytes of the Gloo collectives (the averages of
             ``allreduce``/``fp16``/``bf16`` and every method's one-value finiteness vote).
@@ -73,7 +71,7 @@ class FlatAverager:
             components = config.components if config.components is not None else 2 * world_size
             precision = config.packet or "fp32"
             self.code = cerar_code(world_size, components, precision)
-            self.packet_dtype = _CASTS.get(precision)
+            self.packet_dtype = None if precision == "fp32" else DTYPES[precision]  # None: float32's own
             packets = "" if precision == "fp32" else f", {precision} packets"
             self.description = f"cerar.all_reduce{packets}, {self.code!r}, nonfinite={self.nonfinite!r}"
         else:

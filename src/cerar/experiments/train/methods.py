@@ -54,7 +54,7 @@ schedule               what runs                                           bytes
 ``localsgd`` and ``diloco`` average through ``allreduce``, ``fp16``, ``bf16``, ``ring`` or
 ``cerar[:c][:fp16|:bf16]``, once over the whole model (``accum`` takes any method above).
 
-"Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.ring.stats.CommStats`);
+"Measured" bytes are those handed to point-to-point sends (:class:`cerar.comm.runtime.stats.CommStats`);
 buckets that ``ring``/``cerar``'s bucket policy (``min_bucket_mb``) sends to Gloo's all-reduce
 add their computed bytes.
 Gloo's built-in collectives cannot be observed at that level, so their bytes are **computed**
@@ -136,6 +136,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
 
     from cerar.comm.collective.routes import get_route
     from cerar.comm.ddp.hooks import CerarState, route_hook
+    from cerar.comm.runtime.dtypes import DTYPES
 
     coded = config.method == "cerar"
     route = get_route(ROWS[config.method])
@@ -145,7 +146,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     state = CerarState(
         code=code,
         nonfinite=config.nonfinite,
-        packet_dtype={"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[precision],
+        packet_dtype=None if precision == "fp32" else DTYPES[precision],  # None: the data's own (float32)
         min_bucket_bytes=round(config.min_bucket_mb * 2**20),  # MB as DDP's bucket_cap_mb: MiB
         resync_every=config.resync_every,
         divergence_tol=config.divergence_tol,
@@ -181,7 +182,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
 def _build_auto(config: HookSettings, world_size: int) -> tuple[InstalledHook, Any, Any, Count]:
     """``auto``: :class:`cerar.comm.ddp.hooks.AutoState` with the budget ``max_error`` (default the
     library's, 0.1); the decisions and the last step's buckets go to the run's ``method_info``."""
-    from cerar.coding.code import MAX_ERROR
+    from cerar.coding.linear_code import MAX_ERROR
     from cerar.comm.auto.ddp import AutoState, auto_hook
 
     budget = MAX_ERROR if config.max_error is None else config.max_error

@@ -61,20 +61,20 @@ def no_buffer_sync() -> dict[str, bool]:
 
 def group_settings(config: HookSettings, ranks: int) -> dict[str, Any]:
     """``cerar.group.new_group``'s keywords for ``config.method`` over ``ranks`` ranks."""
-    import torch
+    from cerar.comm.runtime.dtypes import DTYPES
 
     min_bytes = round(config.min_bucket_mb * 2**20)
     common = {"min_bytes": min_bytes, "nonfinite": config.nonfinite}
     if config.method == "allreduce":
         return {"min_bytes": _NEVER}
     if config.method in ("ring", "fp16", "int8", "fp8"):
-        wires = {"ring": None, "fp16": torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-        return {**common, "method": "ring", "packet_dtype": wires[config.method]}
+        wire = None if config.method == "ring" else DTYPES[config.method]
+        return {**common, "method": "ring", "packet_dtype": wire}
     if config.method == "auto":
         return {**common, "method": "auto", **({} if config.max_error is None else {"max_error": config.max_error})}
     precision = config.packet or "fp32"
     components = config.components if config.components is not None else 2 * ranks
-    packet = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    packet = None if precision == "fp32" else DTYPES[precision]  # None: the data's own (float32)
     return {**common, "method": "cerar", "code": cerar_code(ranks, components, precision), "packet_dtype": packet}
 
 
