@@ -7,7 +7,7 @@ coding must move per value, and the compiled kernels' time against that limit, o
 One process, one thread (``torch.set_num_threads(1)``, as each rank of ``cerar bench``). The bench
 measures the same rate on every rank at once and records ``coding_limit_ratio`` per coded case
 (:mod:`cerar.experiments.bench.limit` says what the bytes are); there four ranks share the
-cores, so a call's coding also waits for a core. Here the kernels (:mod:`cerar.comm.kernels.native`: the
+cores, so a call's coding also waits for a core. Here the kernels (:mod:`cerar.comm.algorithms.native`: the
 encode, the decode of float32 and of float16 packets) run alone, each repeat beside a copy of the
 same size, and each is reported as the median over repeats of its time over the limit at that
 repeat's copy rate: what the kernels themselves cost, apart from the machine's sharing. Their
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from cerar.comm.kernels import native
+from cerar.comm.algorithms import native
 from cerar.experiments.bench.limit import coding_bytes_per_value, copy_bandwidth
 from cerar.experiments.bench.methods import ALL_REDUCE_METHODS
 
@@ -35,7 +35,7 @@ def _timed(run) -> float:
 
 def time_kernels(megabytes: float, world_size: int, c: int, repeats: int) -> dict[str, tuple[float, float]] | None:
     """Per kernel, (median time in s, median of time / limit) for ``megabytes`` of float32; None
-    where there is no compiled coding for ``c`` here (:func:`cerar.comm.kernels.native.status`)."""
+    where there is no compiled coding for ``c`` here (:func:`cerar.comm.algorithms.native.status`)."""
     rounds = c + world_size - 2
     d = int(megabytes * (1 << 20)) // 4 // c * c
     w = d // c

@@ -19,7 +19,7 @@ from processes import alive
 
 from cerar.cli import build_parser
 from cerar.cli.bench import config_from_args
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.experiments.bench.config import BenchConfig, format_size, parse_size
 from cerar.experiments.bench.methods import ALL_REDUCE_METHODS, AllReduceMethod, get_method
 from cerar.experiments.bench.run import analyse, build_cases, make_code, run_bench
@@ -325,20 +325,22 @@ def test_config_defaults_and_cases() -> None:
     config = BenchConfig(world_size=4, sizes_bytes=(4 * MiB, MiB, MiB))
     assert config.components == (8,) and config.sizes_bytes == (MiB, 4 * MiB)
     cases = build_cases(config)
-    assert [c["size_bytes"] for c in cases] == [MiB] * 7 + [4 * MiB] * 7  # sorted by size
-    assert [(c["method"], c["components"]) for c in cases[:7]] == [
+    assert [c["size_bytes"] for c in cases] == [MiB] * 8 + [4 * MiB] * 8  # sorted by size
+    assert [(c["method"], c["components"]) for c in cases[:8]] == [
         ("builtin", None),
         ("ring-fp16", None),
         ("ring-bf16", None),
         ("ring-int8", None),
+        ("ring-int4", None),
         ("cerar", 8),
         ("cerar-fp16", 8),
         ("auto", None),
     ]
-    assert cases[4]["code"]["world_size"] == 4 and cases[4]["code_params"]["delta"] > 0
-    assert cases[6]["max_error"] == config.auto_max_error  # auto's budget travels with its case
+    assert cases[5]["code"]["world_size"] == 4 and cases[5]["code_params"]["delta"] > 0
+    assert cases[7]["max_error"] == config.auto_max_error  # auto's budget travels with its case
+    assert all("max_error" not in c for c in cases[:7])  # the others are measured, with no budget
     # the code travels to the ranks as JSON and must come back identical
-    assert Code.from_dict(json.loads(json.dumps(cases[4]["code"]))) == make_code(4, 8, "perturbed")
+    assert Code.from_dict(json.loads(json.dumps(cases[5]["code"]))) == make_code(4, 8, "perturbed")
 
 
 def _args(*argv: str) -> Any:
@@ -433,6 +435,7 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
             ("ring-fp16", None),
             ("ring-bf16", None),
             ("ring-int8", None),
+            ("ring-int4", None),
             ("cerar", 4),
             ("cerar-fp16", 4),
             ("auto", None),
@@ -442,13 +445,16 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
         assert r["regime"] == "fast" and len(r["times_s"]) == r["iters"] == 24 and len(r["rel_errors"]) == 2
         assert r["time_min_s"] <= r["time_median_s"] <= r["time_max_s"]
         # Two ranks decode exactly whatever c is: float32 rounding only, or a 16-bit wire's.
-        wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8, "ring-int8": 2.0**-7, "cerar-fp16": 2.0**-11}
+        wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8, "ring-int8": 2.0**-7, "ring-int4": 2.0**-3,
+                "cerar-fp16": 2.0**-11}  # fmt: skip
         wire = wire.get(r["method"], 2.0**-24)
         assert r["predicted_s"] is not None  # the cost model's, beside the measured time
         if r["method"] == "auto":  # at N = 2: no CERAR candidate (every c decodes exactly, as the ring)
             assert r["auto"]["method"] in ("exact", "fp16", "int8") and r["auto"]["calibration_calls"] > 0
             wire = 2.0**-7 if r["auto"]["method"] == "int8" else 2.0**-11
         assert r["worst_rel_error"] < 4 * wire, (r["method"], r["components"], r["worst_rel_error"])
+        if r["method"] in ("ring-fp16", "ring-bf16", "ring-int8", "ring-int4"):  # the codec against its limit
+            assert r["encode_s"] > 0 and r["decode_s"] > 0 and r["coding_limit_ratio"] > 0, r["method"]
     assert (tmp_path / "out" / "bench.json").exists()
     assert (tmp_path / "out" / "time_vs_size.png").stat().st_size > 0
     assert (tmp_path / "out" / "ratio_vs_theory.png").stat().st_size > 0
@@ -585,7 +591,7 @@ def test_coding_limit_script_times_the_compiled_kernels() -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    from cerar.comm.kernels import native
+    from cerar.comm.algorithms import native
 
     if native.status().startswith("on"):
         kernels = [line for line in result.stdout.splitlines() if line.strip().startswith("0.25 MB:")]

@@ -1,4 +1,4 @@
-"""The 8-bit frontier study (cerar.experiments.study.frontier) and `cerar study --frontier --blocks`."""
+"""The block wires' frontier study (cerar.experiments.study.frontier) and `cerar study --frontier --blocks`."""
 
 from __future__ import annotations
 
@@ -57,6 +57,47 @@ def test_block_table_takes_the_wires() -> None:
         frontier.block_table((4,), wires=("int2",))
 
 
+def test_block_tables_measure_each_wire_at_its_blocks() -> None:
+    rows = frontier.block_tables(("int4", "int8", "fp8", "int4"), size=256, seeds=1, quick=True)
+    assert sorted({(r["wire"], r["block"]) for r in rows if r["wire"] == "int4"}) == [
+        ("int4", b) for b in frontier.INT4_BLOCKS
+    ]
+    assert {r["block"] for r in rows if r["wire"] != "int4"} == set(frontier.BLOCKS)
+    assert len(rows) == 3 * (len(frontier.INT4_BLOCKS) + 2 * len(frontier.BLOCKS))  # every scale, each once
+    assert {r["world_size"] for r in rows} == {4}  # quick: N = 4 only
+    with pytest.raises(ValueError, match="'wires'"):
+        frontier.block_tables(("int2",))
+
+
+def test_default_format_points_are_the_rows_rings() -> None:
+    points = [
+        {"kind": "ring4", "wire": "int4", "block": 32, "scale": "bf16"},
+        {"kind": "ring4", "wire": "int4", "block": 64, "scale": "bf16"},
+        {"kind": "ring8", "wire": "int8", "block": 64, "scale": "bf16"},
+        {"kind": "ring8", "wire": "int8", "block": 64, "scale": "fp32"},
+        {"kind": "ring", "wire": "fp16"},
+    ]
+    assert frontier.default_format_points(points) == [points[0], points[2]]
+
+
+def test_study_blocks_takes_the_wires(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "study"
+    argv = ["study", "--blocks", "--quick", "--values", "256", "--out", str(out)]
+    assert main([*argv, "--wires", "int8,int4"]) == 0
+    blocks = json.loads((out / "blocks.json").read_text())
+    assert blocks["wires"] == ["int8", "int4"]
+    assert [r["wire"] for r in blocks["rows"]] == ["int8"] * 3 * len(frontier.BLOCKS) + ["int4"] * 3 * len(
+        frontier.INT4_BLOCKS
+    )
+    assert "N= 4 int4 B=  32 bf16:" in capsys.readouterr().out
+    assert main([*argv, "--wires", "int4", "fp8"]) == 0  # space separated too
+    assert {r["wire"] for r in json.loads((out / "blocks.json").read_text())["rows"]} == {"int4", "fp8"}
+    assert main([*argv]) == 0  # the 8-bit wires by default
+    assert json.loads((out / "blocks.json").read_text())["wires"] == ["int8", "fp8"]
+    assert main([*argv, "--wires", "int8,int2"]) == 2
+    assert "Argument 'wires'" in capsys.readouterr().err
+
+
 def test_pareto_marks() -> None:
     points = [
         {"kind": "ring", "world_size": 4, "bytes_per_value": 1.0, "error": 1.0},
@@ -82,7 +123,7 @@ def test_k_table_model_matches_simulation() -> None:
 
 
 @pytest.mark.slow  # the whole command with its plots: make test runs it, make test-fast leaves it out
-def test_study_quick_writes_json_and_png(tmp_path: Path) -> None:
+def test_study_quick_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "study"
     assert main(["study", "--frontier", "--blocks", "--quick", "--out", str(out)]) == 0
     data = json.loads((out / "frontier.json").read_text())
@@ -101,6 +142,10 @@ def test_study_quick_writes_json_and_png(tmp_path: Path) -> None:
     blocks = json.loads((out / "blocks.json").read_text())
     assert len(blocks["rows"]) == 2 * 3 * len(frontier.BLOCKS)
     assert set(blocks["rows"][0]["errors"]) == set(frontier.INPUTS)
+    # the int4 ring's points beside int8's, each at the format its row runs, printed and plotted
+    printed = capsys.readouterr().out
+    assert "ring int4 B=32 bf16" in printed and "ring int8 B=64 bf16" in printed
+    assert printed.count("(the row's format)") == 3  # int8, e4m3, int4
 
 
 def test_study_frontier_refuses_bad_world_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,9 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="time all-reduce methods on fast (loopback) and slow (rate-limited) networks",
         description=(
             "Launch N local ranks and time exact (Gloo's all-reduce; results call it builtin, also accepted), the "
-            "ring with float16, bfloat16 and int8 wires, "
+            "ring with float16, bfloat16, int8 and int4 wires, "
             "cerar (per c) with float32 and float16 packets and auto (method='auto', its calibration "
-            "untimed; ring, cerar-bf16 on request) for each size, the methods of a size taking turns "
+            "untimed; ring, cerar-bf16 on request) for each size, every method but auto with no error "
+            "budget (max_error=None: the bench measures each one's error), the methods of a size taking turns "
             "call by call, on loopback (fast) and on "
             "namespaces with tc-limited links (slow, needs root, ip and tc; otherwise fast only). "
             "--nodes M --ranks-per-node G emulates M nodes: one namespace per node holding its G ranks "

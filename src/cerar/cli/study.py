@@ -34,9 +34,14 @@ for ``--world-sizes`` (default 4, 8, 16) on i.i.d. Gaussian inputs of ``--values
 each block size, CERAR at ``c = N+1, 3N/2, 2N, 3N`` with float32/float16/bfloat16 packets and over
 8-bit packets, the Pareto frontier marked, and CERAR's ``wrap``, ``A`` and ``K`` table; it writes
 ``frontier.json`` and ``frontier.png`` (a few minutes on two cores; ``--quick``: N = 4, seconds).
-``--blocks`` writes ``blocks.json``, the 8-bit ring's block-size table (every block size 32-1024
-and scale dtype at ``N = 4``, blocks 32, 64 and 256 at ``N = 8, 16``; three inputs; ``--values``
-default 1048576, 3 seeds; ``--quick``: seconds).
+It prints the Pareto frontier's points, CERAR's 8-bit ones, and the block rings as the route
+table runs them (int8 and e4m3 in blocks of 64, int4 in blocks of 32, bfloat16 scales) side by
+side; the plot marks the int4 ring's points "ring int4 (blocks)".
+``--blocks`` writes ``blocks.json``, the block rings' block-size table for the wires of ``--wires``
+(default ``int8,fp8``; ``int8,fp8,int4`` adds the 4-bit ring's): every block size (32-1024 for
+the 8-bit wires, 8-128 for int4) and scale dtype at ``N = 4``, three block sizes around the
+wire's default at ``N = 8, 16``; three inputs; ``--values`` default 1048576, 3 seeds; ``--quick``:
+``N = 4`` only, seconds).
 """
 
 from __future__ import annotations
@@ -79,9 +84,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="steps in [0, steps] to capture (default: 0, steps // 2, steps)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     g.add_argument("--capture", type=Path, default=None, help="reuse this saved capture (.npz): no training")
-    f = p.add_argument_group("8-bit wires (--frontier, --blocks)")
+    f = p.add_argument_group("block wires (--frontier, --blocks)")
     f.add_argument("--frontier", action="store_true", help="bytes per value against error: rings and CERAR")
-    f.add_argument("--blocks", action="store_true", help="the 8-bit ring's block-size table (blocks.json)")
+    f.add_argument("--blocks", action="store_true", help="the block rings' block-size table (blocks.json)")
+    f.add_argument("--wires", nargs="+", default=["int8,fp8"], metavar="WIRE",
+                   help="--blocks: the block wires, comma or space separated, of int8, fp8, int4 (default int8,fp8)")
     f.add_argument("--values", type=int, default=None,
                    help="values per rank (default 65536 for --frontier, 1048576 for --blocks)")
     f.add_argument("--seeds", type=int, default=3, help="seeds per measurement, median taken (default 3)")
@@ -139,10 +146,23 @@ def run(args: argparse.Namespace) -> int:
 FRONTIER_BYTES_PER_VALUE = 256
 
 
+def _wires(given: list[str]) -> tuple[str, ...]:
+    """``--wires``' names (each item comma separated, repeats dropped), checked against the block
+    wires."""
+    from cerar.coding.blocks import WIRES
+
+    names = tuple(dict.fromkeys(w.strip() for item in given for w in item.split(",") if w.strip()))
+    bad = [w for w in names if w not in WIRES]
+    if not names or bad:
+        raise ValueError(f"Argument 'wires' must name block wires among {', '.join(WIRES)}, not {','.join(given)!r}.")
+    return names
+
+
 def _run_frontier(args: argparse.Namespace) -> int:
-    """``--frontier`` and/or ``--blocks``: the 8-bit wires' measurements, JSON (+ PNG)."""
+    """``--frontier`` and/or ``--blocks``: the block wires' measurements, JSON (+ PNG)."""
     from cerar.experiments.study import frontier
 
+    wires = _wires(getattr(args, "wires", None) or ["int8,fp8"])
     seeds = 1 if args.quick else check_int("seeds", args.seeds, minimum=1)
     world_sizes = [4] if args.quick else list(args.world_sizes)
     for n in world_sizes:
@@ -152,12 +172,11 @@ def _run_frontier(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.blocks:
         values = check_int("values", args.values or (4096 if args.quick else 1 << 20), minimum=64)
-        resources.check_memory("values", values, FRONTIER_BYTES_PER_VALUE * 16 * values,
-                               f"8-bit rings of N = 16 at {values} values", allow=args.allow_oversubscribe)
-        rows = frontier.block_table((4,), size=values, seeds=seeds)
-        if not args.quick:
-            rows += frontier.block_table((8, 16), (32, 64, 256), ("fp32", "bf16"), size=values, seeds=seeds)
-        _write(out / "blocks.json", {"rows": rows, "values": values, "seeds": seeds})
+        largest = 4 if args.quick else 16
+        resources.check_memory("values", values, FRONTIER_BYTES_PER_VALUE * largest * values,
+                               f"block rings of N = {largest} at {values} values", allow=args.allow_oversubscribe)
+        rows = frontier.block_tables(wires, size=values, seeds=seeds, quick=args.quick)
+        _write(out / "blocks.json", {"rows": rows, "values": values, "seeds": seeds, "wires": list(wires)})
         for r in rows:
             errors = " ".join(f"{k} {v:.2e}" for k, v in r["errors"].items())
             print(f"N={r['world_size']:>2} {r['wire']} B={r['block']:>4} {r['scale']}: "
@@ -167,15 +186,16 @@ def _run_frontier(args: argparse.Namespace) -> int:
         n = max(world_sizes)
         resources.check_memory("values", values, FRONTIER_BYTES_PER_VALUE * n * values,
                                f"simulations of N = {n} at {values} values", allow=args.allow_oversubscribe)
-        blocks = (32, 256) if args.quick else frontier.BLOCKS
+        blocks = (32, 64, 256) if args.quick else frontier.BLOCKS  # 64: the 8-bit rows' own block
         result = frontier.frontier_study(world_sizes, size=values, seeds=seeds, blocks=blocks)
         _write(out / "frontier.json", result)
         frontier.plot_frontier(result, out / "frontier.png")
+        shown = {id(p) for p in frontier.default_format_points(result["points"])}
         for p in sorted(result["points"], key=lambda p: (p["world_size"], p["bytes_per_value"])):
-            if p["on_frontier"] or p["kind"] == "cerar8":
-                mark = "frontier" if p["on_frontier"] else ""
+            if p["on_frontier"] or p["kind"] == "cerar8" or id(p) in shown:
+                mark = ("frontier " if p["on_frontier"] else "") + ("(the row's format)" if id(p) in shown else "")
                 print(f"N={p['world_size']:>2} {p['label']:<28} {p['bytes_per_value']:.3f} B/value, "
-                      f"error {p['error']:.2e} {mark}")  # fmt: skip
+                      f"error {p['error']:.2e} {mark}".rstrip())  # fmt: skip
     elapsed = time.perf_counter() - started
     print(f"wrote {out} in {elapsed:.0f} s")
     return 0

@@ -12,7 +12,7 @@ from typing import Any
 
 from cerar._checks import check_choice, check_float, check_int, format_size, parse_size
 from cerar.coding import codes
-from cerar.coding.code import MAX_ERROR
+from cerar.coding.linear_code import MAX_ERROR
 from cerar.experiments._flags import flag
 from cerar.experiments.bench.methods import BASELINE, canonical_name, get_method, method_names
 from cerar.harness import netem
@@ -29,7 +29,9 @@ __all__ = [
 ]
 
 REGIME_CHOICES = ("fast", "slow", "both")
-DEFAULT_METHODS = ("builtin", "ring-fp16", "ring-bf16", "ring-int8", "cerar", "cerar-fp16", "auto")
+DEFAULT_METHODS = (
+    "builtin", "ring-fp16", "ring-bf16", "ring-int8", "ring-int4", "cerar", "cerar-fp16", "auto",
+)  # fmt: skip
 NODE_METHODS = ("builtin", "ring", "cerar", "hier-ring", "hier-cerar")  # the default with --ranks-per-node > 1
 MiB = 1 << 20
 DEFAULT_SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cerar.coding.code import Code
-    from cerar.comm.ring.stats import CommStats
+    from cerar.coding.linear_code import Code
+    from cerar.comm.runtime.stats import CommStats
 
 Call = Callable[[Any, "Code | None", "CommStats | None"], None]
 
@@ -35,7 +35,7 @@ class AllReduceMethod:
             ranks); ``code`` is the method's code (``None`` unless ``coded``); ``stats``, when the
             method has ``transport_stats``, accumulates the call's bytes and encode/decode times.
         coded: the method takes a :class:`cerar.Code` (one series per ``c`` and construction).
-        transport_stats: the method fills a :class:`cerar.comm.ring.stats.CommStats` (bytes measured at
+        transport_stats: the method fills a :class:`cerar.comm.runtime.stats.CommStats` (bytes measured at
             the transport); otherwise the byte count reported is the algorithm's theory.
         wire_bytes_per_value: bytes per value on the wire (4 for float32, 2 for a 16-bit wire).
         traffic: values sent per rank per value reduced, as a function of ``(N, c)``.
@@ -46,7 +46,11 @@ class AllReduceMethod:
         hierarchical: exact inside each node, the algorithm only between nodes
             (:mod:`cerar.comm.collective.hierarchical`): ``traffic`` and ``rounds`` are then functions of the
             number of nodes ``M`` (and the code is for ``M``), and each rank sends ``1/G`` of it.
-        options: case keys passed to ``call`` as keywords (``auto``: ``max_error``).
+        options: case keys passed to ``call`` as keywords (``auto``: ``max_error``, its budget;
+            every other method runs with ``max_error=None``: the bench measures its error).
+        family: the route table's family of the row (``"ring"``, ``"cerar"``, ``"hier-ring"``,
+            ``"exact"``, ``"torch"``, ``"auto"``...): which coding, if any, the method's limit
+            counts (:mod:`cerar.experiments.bench.limit`).
         calibrating: ``calibrating(tensor, **options)`` is True while the method still calibrates
             for this size (``auto``): the worker runs such calls untimed, before the warm-up.
     """
@@ -64,6 +68,7 @@ class AllReduceMethod:
     hierarchical: bool = False
     options: tuple[str, ...] = ()
     calibrating: Callable[..., bool] | None = None
+    family: str = ""
 
     def ring_size(self, world_size: int, ranks_per_node: int = 1) -> int:
         """The size of the ring the algorithm runs on: ``M`` nodes if hierarchical, else ``N``."""
@@ -112,13 +117,20 @@ def _ranks_per_node() -> int | None:
 
 def _call(row: str) -> Call:
     """``call(tensor, code, stats, **options)``: one sum by the route table's row ``row``, which
-    takes what applies to it (the launcher's nodes, the code)."""
+    takes what applies to it (the launcher's nodes, the code).
+
+    The bench measures every row's error rather than enforce a budget: it calls each row with
+    ``max_error=None`` (a row whose predicted error exceeds the library's default budget, such as
+    ``ring-int4``, runs all the same), except ``auto``, whose ``max_error`` is its budget, one of
+    its options (:attr:`AllReduceMethod.options`), and otherwise the library's default."""
 
     def call(tensor: Any, code: Code | None, stats: CommStats | None, **options: Any) -> None:
         from cerar.comm.collective.routes import get_route, start
 
         route = get_route(row)
-        given = {"code": code, "ranks_per_node": _ranks_per_node(), **options}  # the nodes: read as the rank runs
+        budget = {} if route.family == "auto" else {"max_error": None}  # auto: its budget, or the default
+        # The nodes: read as the rank runs.
+        given = {"code": code, "ranks_per_node": _ranks_per_node(), **budget, **options}
         start(route, tensor, stats=stats, **route.applicable(given))
 
     return call
@@ -165,6 +177,7 @@ def _methods() -> dict[str, AllReduceMethod]:
             hierarchical=route.hierarchical,
             options=("max_error",) if auto else (),
             calibrating=_auto_calibrating if auto else None,
+            family=route.family,
         )
     return methods
 

@@ -75,10 +75,15 @@ def format_table(doc: dict[str, Any]) -> str:
         "builtin); x wire: time / (MB per rank / measured link rate); worst err: max over ranks of",
         "||result - exact sum|| / ||exact sum||; x limit: (enc + dec) / the bytes the coding must move at",
         "the slowest rank's measured copy rate (cerar.experiments.bench.limit), then the coding thread's CPU",
-        "time in them / the same (the rest is time it waited for a core). alpha*: the free fit gave a",
-        "negative latency (bandwidth-bound sweep); refitted with alpha = 0. pred ms: auto's cost model",
-        "(rounds x alpha + bytes/rank x beta + values x gamma, one fit per regime over every method); auto ->",
-        "the method auto chose at that size (its calibration calls are not timed).",
+        "time in them / the same (the rest is time it waited for a core). The bytes per value: cerar",
+        "4(1 + L/c) + p + 8 (L = c+N-2 rounds, p the packet's bytes); a lossy ring's codec (16-bit, int8,",
+        "fp8, int4 wires; enc: round 1 and the reduce-scatter hops, dec: the all-gather's packets) 8 +",
+        "w(3 - 2/N), w the wire's bytes with its scales: the input read and the result written once, N",
+        "packets written and 2(N-1) read (hier rows: M nodes, on each rank's 1/G shard); the exact rows",
+        "have none (-). alpha*: the free fit gave a negative latency (bandwidth-bound sweep); refitted",
+        "with alpha = 0. pred ms: auto's cost model (rounds x alpha + bytes/rank x beta + values x gamma,",
+        "one fit per regime over every method); auto -> the method auto chose at that size (its",
+        "calibration calls are not timed).",
     ]
     m = doc.get("machine", {})
     if m:
@@ -88,7 +93,7 @@ def format_table(doc: dict[str, Any]) -> str:
         )
     coding = doc.get("versions", {}).get("cpu_coding")
     if coding:
-        lines.append(f"CPU coding (cerar.comm.kernels.native): {coding}")
+        lines.append(f"CPU coding (cerar.comm.algorithms.native): {coding}")
     for note in doc.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

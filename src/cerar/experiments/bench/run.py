@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cerar.coding import codes
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.experiments.bench.config import (
     DEFAULT_SIZES,
     QUICK_SIZES,

@@ -201,7 +201,7 @@ def versions() -> dict[str, Any]:
     import numpy
     import torch
 
-    from cerar.comm.kernels import native
+    from cerar.comm.algorithms import native
 
     return {
         "cerar": __version__,

@@ -85,7 +85,7 @@ class CaseRun:
     across ranks (:meth:`finish`)."""
 
     def __init__(self, case: dict[str, Any], config: dict[str, Any]) -> None:
-        from cerar.coding.code import Code
+        from cerar.coding.linear_code import Code
         from cerar.experiments.bench.methods import get_method
 
         self.case, self.config = case, config
@@ -121,7 +121,7 @@ class CaseRun:
         """Iteration ``it`` (warm-up first): one call from a barrier, timed on this rank."""
         import torch.distributed as dist
 
-        from cerar.comm.ring.stats import CommStats
+        from cerar.comm.runtime.stats import CommStats
 
         per_node, rank = int(self.config.get("ranks_per_node", 1)), dist.get_rank()
         buf.copy_(x)

@@ -7,6 +7,7 @@ error, median over seeds):
   every block size and scale dtype on three inputs (i.i.d. Gaussian, Student-t(3), and
   per-layer-scaled), the table each wire's default :class:`cerar.coding.blocks.BlockFormat` block
   was chosen from (the 8-bit wires by default, int4 with ``wires=("int4",), blocks=INT4_BLOCKS``);
+  :func:`block_tables` is ``cerar study --blocks``'s, for the wires of ``--wires``;
 * :func:`frontier_study`: for each ``N``, the rings (float32, float16, bfloat16, int8 and e4m3 at
   each block size, int4 at each of :data:`INT4_BLOCKS`) and CERAR at ``c = N+1, 3N/2, 2N, 3N``
   with float32/float16/bfloat16 packets and over 8-bit packets, as points (bytes per value,
@@ -32,7 +33,7 @@ import numpy as np
 
 from cerar.coding import codes
 from cerar.coding.blocks import WIRES, BlockFormat, ring_error_bound, round_trip
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.coding.precision import ITEMSIZE, rounder
 from cerar.experiments._extras import pyplot
 from cerar.protocol.simulate import simulate
@@ -41,8 +42,13 @@ from cerar.protocol.simulate_ring import ring_bytes_per_value, simulate_ring, si
 __all__ = [
     "BLOCKS",
     "INPUTS",
+    "INT4_BLOCKS",
+    "LARGE_N_BLOCKS",
+    "TABLE_BLOCKS",
     "block_table",
+    "block_tables",
     "cerar_8bit_designs",
+    "default_format_points",
     "frontier_study",
     "inputs",
     "k_table",
@@ -58,6 +64,10 @@ BLOCKS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
 INT4_BLOCKS: tuple[int, ...] = (8, 16, 32, 64, 128)
 #: The 8-bit wires: the block table's default wires and CERAR's coarse packets in the frontier.
 EIGHT_BIT_WIRES: tuple[str, ...] = ("int8", "fp8")
+#: The block sizes ``cerar study --blocks`` measures per wire at ``N = 4`` (every one)...
+TABLE_BLOCKS: dict[str, tuple[int, ...]] = {"int8": BLOCKS, "fp8": BLOCKS, "int4": INT4_BLOCKS}
+#: ... and at ``N = 8, 16`` (three around the wire's default block).
+LARGE_N_BLOCKS: dict[str, tuple[int, ...]] = {"int8": (32, 64, 256), "fp8": (32, 64, 256), "int4": (16, 32, 64)}
 #: The inputs of the block table.
 INPUTS: tuple[str, ...] = ("gaussian", "student-t3", "layers")
 #: The float packet and ring precisions of the frontier.
@@ -152,6 +162,41 @@ def block_table(
                         "errors": errors, "bound": ring_error_bound(n, fmt),
                     })  # fmt: skip
     return rows
+
+
+def block_tables(
+    wires: Sequence[str] = EIGHT_BIT_WIRES, size: int = 1 << 20, seeds: int = 3, quick: bool = False
+) -> list[dict[str, Any]]:
+    """``cerar study --blocks``'s table for ``wires``: every wire at ``N = 4`` at its
+    :data:`TABLE_BLOCKS` with every scale dtype, and (unless ``quick``) at ``N = 8, 16`` at its
+    :data:`LARGE_N_BLOCKS` with float32 and bfloat16 scales; wires of the same block sizes share a
+    :func:`block_table` call (the 8-bit wires side by side, as in the table int8's block came from)."""
+    for wire in wires:
+        if wire not in WIRES:
+            raise ValueError(f"Argument 'wires' must hold wires of {WIRES}, not {wire!r}.")
+    rows: list[dict[str, Any]] = []
+    stages = [((4,), TABLE_BLOCKS, ("fp32", "fp16", "bf16"))]
+    if not quick:
+        stages.append(((8, 16), LARGE_N_BLOCKS, ("fp32", "bf16")))
+    for world_sizes, blocks_of, scales in stages:
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for wire in dict.fromkeys(wires):
+            groups.setdefault(blocks_of[wire], []).append(wire)
+        for blocks, group in groups.items():
+            rows += block_table(world_sizes, blocks, scales, size=size, seeds=seeds, wires=tuple(group))
+    return rows
+
+
+def default_format_points(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The frontier's block-wire rings at each wire's default format
+    (:class:`cerar.coding.blocks.BlockFormat`'s block and scale): the int8, e4m3 and int4 rings
+    as the route table's rows run them, to print side by side."""
+    defaults = {wire: BlockFormat(wire) for wire in WIRES}
+    return [
+        p for p in points
+        if p["kind"] in ("ring8", "ring4")
+        and (p["block"], p["scale"]) == (defaults[p["wire"]].block, defaults[p["wire"]].scale)
+    ]  # fmt: skip
 
 
 def _components(world_size: int) -> list[int]:

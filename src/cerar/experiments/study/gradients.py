@@ -43,7 +43,7 @@ import numpy as np
 
 from cerar._checks import check_int
 from cerar.coding import codes
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.coding.precision import ITEMSIZE
 from cerar.experiments._extras import pyplot
 from cerar.experiments.study.capture_file import check_parameters

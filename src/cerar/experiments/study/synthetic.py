@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from cerar.coding import codes
-from cerar.coding.code import Code
+from cerar.coding.linear_code import Code
 from cerar.coding.precision import ITEMSIZE, precision_name, rounder
 from cerar.experiments._extras import pyplot
 from cerar.protocol.simulate import simulate
