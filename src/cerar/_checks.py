@@ -9,8 +9,22 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
+
+
+def renamed(old: str, old_value: Any, new: str, new_value: Any) -> Any:
+    """The value of a setting whose argument was renamed from ``old`` to ``new`` (None: not
+    given): the new one, or the old one with a ``DeprecationWarning`` naming the new; both
+    given is refused."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"Arguments {old!r} and {new!r} name the same setting: pass {new!r} only, not both.")
+    message = f"Argument {old!r} is deprecated: pass {new}={old_value!r} instead."
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -221,14 +221,14 @@ def test_sixteen_bit_packets_follow_a_slow_drift_without_redoing_a_call() -> Non
         assert worst < 3e-2, worst
 
 
-def _bad_packet_worker(rank: int, world: int) -> str:
+def _bad_wire_worker(rank: int, world: int) -> str:
     try:
-        cerar.all_reduce(torch.ones(10), packet_dtype=torch.int8)
+        cerar.all_reduce(torch.ones(10), wire_dtype=torch.int8)
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
-def test_bad_packet_dtype_names_the_argument() -> None:
-    for message in check(run_ranks(_bad_packet_worker, 2, timeout=30)):
-        assert "Argument 'packet_dtype'" in message and "torch.int8" in message
+def test_bad_wire_dtype_names_the_argument() -> None:
+    for message in check(run_ranks(_bad_wire_worker, 2, timeout=30)):
+        assert "Argument 'wire_dtype'" in message and "torch.int8" in message

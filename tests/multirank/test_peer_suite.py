@@ -114,12 +114,13 @@ def within(a: Any, b: Any) -> str | None:
 def bound(x: torch.Tensor, env: Env, avg: bool = False) -> float:
     """How far a coded sum of ``x`` (this rank's input) may be from the exact one: the default
     code's ``2 (beta_j D_j + p_j ||S||)``, plus the output dtype's rounding; over N for AVG."""
-    from cerar.comm.collective.default_code import resolve_code
+    from cerar.comm.collective.request import Settings
+    from cerar.comm.collective.routes import get_route
 
     rows = [torch.empty(x.numel(), dtype=torch.float64) for _ in range(env.world)]
     dist.all_gather(rows, x.detach().reshape(-1).double(), group=env.ref)
     inputs = torch.stack(rows).numpy()
-    code = resolve_code(env.world, x.dtype)
+    code = get_route("cerar").code_for(env.world, x.dtype, Settings())  # the one rule
     total = float(torch.linalg.vector_norm(torch.stack(rows).sum(0)))
     beta, p = float(code.error_bound[env.rank]), float(code.predicted_error("fp32")[env.rank])
     rounding = torch.finfo(x.dtype).eps * total

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import cerar
-from cerar.comm.collective.api import resolve_code
+from cerar.comm.collective.request import Settings
+from cerar.comm.collective.routes import get_route
 from multirank import check, run_ranks
 
 _SIZE = 2003  # not a multiple of c: the padded last piece too
@@ -59,7 +60,7 @@ def _sweep_worker(rank: int, world: int, data: torch.dtype, packet: torch.dtype 
     torch.manual_seed(0)  # the same exponents and order on every rank
     generator = torch.Generator().manual_seed(1)
     exponents = _exponents(data, world, generator)
-    code = resolve_code(world, data, packet)
+    code = get_route("cerar").code_for(world, data, Settings(wire_dtype=packet))  # the one rule
     predicted = code.predicted_worst_error(str(packet or data).removeprefix("torch."))
     found = []
     for exponent in exponents:

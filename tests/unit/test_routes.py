@@ -61,7 +61,7 @@ def test_a_family_and_a_dtype_find_their_row() -> None:
     ("route", "options", "message"),
     [
         ("ring", {"code": codes.exact(N)}, "Argument 'code' does not apply to method 'ring'"),
-        ("ring-int8", {"packet_dtype": torch.float16}, "Argument 'packet_dtype' does not apply to method 'ring-int8'"),
+        ("ring-int8", {"wire_dtype": torch.float16}, "Argument 'wire_dtype' does not apply to method 'ring-int8'"),
         ("cerar", {"ranks_per_node": 2}, "Argument 'ranks_per_node' applies to the hierarchical methods only"),
         ("cerar", {"nonfinite": "skip"}, "Argument 'nonfinite'"),
         ("cerar", {"widget": 1}, "unknown arguments ['widget']"),
@@ -70,3 +70,30 @@ def test_a_family_and_a_dtype_find_their_row() -> None:
 def test_bad_arguments_are_refused_before_anything_is_queued(route: str, options: dict, message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("]", r"\]")):
         start(route, torch.ones(4), **options)
+
+
+def test_a_renamed_argument_warns_naming_the_new_one_and_refuses_both() -> None:
+    from cerar._checks import renamed
+
+    assert renamed("packet_dtype", None, "wire_dtype", torch.float16) is torch.float16
+    with pytest.warns(DeprecationWarning, match=r"'packet_dtype' is deprecated: pass wire_dtype=torch.float16"):
+        assert renamed("packet_dtype", torch.float16, "wire_dtype", None) is torch.float16
+    with pytest.raises(TypeError, match="'packet_dtype' and 'wire_dtype' name the same setting"):
+        renamed("packet_dtype", torch.float16, "wire_dtype", torch.bfloat16)
+
+
+def test_the_old_group_form_names_its_row() -> None:
+    from cerar.comm.group.process_group import GroupSettings
+
+    with pytest.warns(DeprecationWarning, match="method='ring-int8'"):
+        assert GroupSettings("ring", wire_dtype=torch.int8).method == "ring-int8"
+    with pytest.warns(DeprecationWarning, match="method='hier-ring-int8'"):
+        settings = GroupSettings("ring", wire_dtype=torch.int8, ranks_per_node=2)
+    assert (settings.method, settings.wire_dtype) == ("hier-ring-int8", None)
+    with pytest.warns(DeprecationWarning, match="method='hier-cerar'"):
+        assert GroupSettings("cerar", wire_dtype=torch.float16, ranks_per_node=2).wire_dtype == torch.float16
+    assert GroupSettings("ring-int8").method == "ring-int8"  # a row: no warning
+    with pytest.raises(ValueError, match="Argument 'code' does not apply to method 'ring-int8'"):
+        GroupSettings("ring-int8", code=codes.exact(4))
+    with pytest.raises(ValueError, match="Argument 'method' must be one of"):
+        GroupSettings("ring-int3")

@@ -35,12 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_float
+from cerar._checks import check_float, renamed
 from cerar.coding.linear_code import MAX_ERROR, Code
 from cerar.comm.algorithms.workspace import WORKSPACE
 from cerar.comm.collective.call import NonFiniteError
 from cerar.comm.collective.checks import check_wire_dtype
-from cerar.comm.collective.default_code import default_code, resolve_code
+from cerar.comm.collective.default_code import default_code
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.routes import ROUTES, Route, get_route, route_for, start
 from cerar.comm.runtime.groups import group_state
@@ -65,7 +65,6 @@ __all__ = [
     "hierarchical_all_reduce",
     "hierarchical_ring_all_reduce",
     "reset_stats",
-    "resolve_code",
     "ring_all_reduce",
     "shutdown",
 ]
@@ -83,11 +82,12 @@ def all_reduce(
     *,
     code: Code | None = None,
     nonfinite: str = "raise",
-    packet_dtype: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     max_error: float | None = MAX_ERROR,
     stats: CommStats | None = None,
     method: str = "cerar",
     fresh_scale: bool = False,
+    packet_dtype: torch.dtype | None = None,
 ) -> Any:
     """Sum (or average) ``tensor`` over ``group`` with CERAR, in place.
 
@@ -108,7 +108,8 @@ def all_reduce(
             with NaN/Inf), ``"exact"`` (fall back to the exact ring for this call) or
             ``"ignore"`` (skip the check; one NaN then reaches its whole column, all ``c``
             components of its position, on every rank).
-        packet_dtype: the dtype of the packets on the wire: ``None`` (float64 for float64
+        wire_dtype: the dtype of the packets on the wire (the deprecated ``packet_dtype`` is
+            accepted with a ``DeprecationWarning``): ``None`` (float64 for float64
             tensors, else float32), ``torch.float32``, ``torch.float64``, or 16 bits,
             ``torch.float16`` or ``torch.bfloat16``: half the bytes, an error near 1-2% (see
             the README), the packets computed in the tensor's precision and rounded once, decoded
@@ -140,7 +141,8 @@ def all_reduce(
     rounds, and a call whose data left the range of the scale it started with (the previous
     call's of its size) is redone at one that fits, the same on every rank (``stats.rescales``).
     """
-    options = {"code": code, "packet_dtype": packet_dtype, "fresh_scale": fresh_scale}
+    wire_dtype = renamed("packet_dtype", packet_dtype, "wire_dtype", wire_dtype)
+    options = {"code": code, "wire_dtype": wire_dtype, "fresh_scale": fresh_scale}
     return start(method, tensor, op, group, async_op, nonfinite=nonfinite, max_error=max_error, stats=stats, **options)
 
 
@@ -175,7 +177,7 @@ def ring_all_reduce(
     wire_dtype = check_wire_dtype(wire_dtype)
     route = route_for("ring", wire_dtype)
     return start(
-        route, tensor, op, group, async_op, stats=stats, packet_dtype=_own(wire_dtype), nonfinite=nonfinite
+        route, tensor, op, group, async_op, stats=stats, wire_dtype=_own(wire_dtype), nonfinite=nonfinite
     )
 
 
@@ -188,16 +190,17 @@ def hierarchical_all_reduce(
     ranks_per_node: int | None = None,
     code: Code | None = None,
     nonfinite: str = "raise",
-    packet_dtype: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     stats: CommStats | None = None,
     max_error: float | None = MAX_ERROR,
+    packet_dtype: torch.dtype | None = None,
 ) -> Work | None:
     """Sum (or average) ``tensor`` over ``group``, exactly inside each node and with CERAR
     between nodes, in place (:mod:`cerar.comm.collective.hierarchical`).
 
     Args:
-        tensor, op, group, async_op, packet_dtype, stats: as :func:`all_reduce` (the packets are
-            those between nodes).
+        tensor, op, group, async_op, wire_dtype, stats: as :func:`all_reduce` (the packets are
+            those between nodes; ``packet_dtype``, deprecated, as there).
         ranks_per_node: ``G``, ranks on each node; group ranks ``k*G .. k*G + G - 1`` form node
             ``k``. Default: torchrun's ``LOCAL_WORLD_SIZE`` (default group only).
         code: a :class:`cerar.Code` for the number of nodes ``M`` (``code.world_size == M``).
@@ -208,9 +211,10 @@ def hierarchical_all_reduce(
         max_error: as :func:`all_reduce`, for the code between nodes: a given code predicted
             above it is refused, the default replaced by one within it or refused with the figures.
     """
+    wire_dtype = renamed("packet_dtype", packet_dtype, "wire_dtype", wire_dtype)
     return start(
         "hier-cerar", tensor, op, group, async_op, ranks_per_node=ranks_per_node, code=code, nonfinite=nonfinite,
-        packet_dtype=packet_dtype, stats=stats, max_error=max_error,
+        wire_dtype=wire_dtype, stats=stats, max_error=max_error,
     )  # fmt: skip
 
 
@@ -232,7 +236,7 @@ def hierarchical_ring_all_reduce(
 
 
 def _own(wire: torch.dtype | None) -> torch.dtype | None:
-    """A wire of the data's own width (float32, float64) as the ring row's ``packet_dtype``."""
+    """A wire of the data's own width (float32, float64) as the ring row's ``wire_dtype``."""
     return wire if wire in (torch.float32, torch.float64) else None
 
 

@@ -9,9 +9,8 @@ import torch
 
 from cerar.coding import codes
 from cerar.coding.linear_code import Code
-from cerar.coding.precision import precision_name
 
-__all__ = ["check_usable", "code_within", "default_code", "resolve_code", "working_dtype"]
+__all__ = ["check_usable", "code_within", "default_code", "working_dtype"]
 
 
 @functools.cache
@@ -28,19 +27,14 @@ def default_code(world_size: int, precision: str = "fp32") -> Code:
     * 16-bit packets: ``codes.optimized(N, 2N, precision)`` (predicted worst-rank error at
       ``N = 4``: 1.6e-2 in float16, 4.5e-2 in bfloat16); two ranks use the exact code.
 
-    :func:`resolve_code` picks the precision from a call's dtypes."""
+    :func:`code_within` binds it by ``max_error``; :meth:`cerar.comm.collective.routes.Route.code_for`
+    is the one rule every call, group and hook asks."""
     if precision in ("fp16", "bf16"):
         return codes.exact(2) if world_size == 2 else codes.optimized(world_size, 2 * world_size, precision)
     if precision == "fp64":
         float32_error = default_code(world_size, "fp32").predicted_worst_error("fp32")
         return codes.choose(world_size, "fp64", error_budget=max(float32_error, 1e-12))
     return codes.choose(world_size, precision)
-
-
-def resolve_code(world_size: int, tensor_dtype: torch.dtype, packet_dtype: torch.dtype | None = None) -> Code:
-    """The default code of a call on ``world_size`` ranks with this tensor and packet dtype.
-    Packets default to the working dtype (float64 for float64 tensors, float32 otherwise)."""
-    return default_code(world_size, precision_name(packet_dtype or working_dtype(tensor_dtype)))
 
 
 def working_dtype(tensor_dtype: torch.dtype) -> torch.dtype:

@@ -25,7 +25,7 @@ __all__ = ["Request", "Settings"]
 class Settings:
     """A caller's settings for one call: None (or the default) where the caller left one out.
 
-    ``code``, ``packet_dtype`` (float32/float64 for the rows of no fixed wire, 16 bits for CERAR's
+    ``code``, ``wire_dtype`` (float32/float64 for the rows of no fixed wire, 16 bits for CERAR's
     family rows) and ``fresh_scale`` apply to CERAR's rows, ``ranks_per_node`` to the hierarchical
     ones; a row refuses one that does not apply to it, naming the row. ``nonfinite`` and
     ``max_error`` apply to every row (a row whose predicted error exceeds ``max_error`` is
@@ -33,7 +33,7 @@ class Settings:
 
     code: Code | None = None
     nonfinite: str = "raise"
-    packet_dtype: torch.dtype | None = None
+    wire_dtype: torch.dtype | None = None
     max_error: float | None = MAX_ERROR
     stats: CommStats | None = None
     fresh_scale: bool = False

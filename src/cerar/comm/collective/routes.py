@@ -158,7 +158,7 @@ class Route:
         hooks, ``method="auto"`` and every call ask here."""
         if not self.coded or ranks < 2:
             return None
-        precision = precision_name(self.packet_wire(data, settings.packet_dtype).dtype or working_dtype(data))
+        precision = precision_name(self.packet_wire(data, settings.wire_dtype).dtype or working_dtype(data))
         code = settings.code
         if code is None:
             return code_within(ranks, precision, settings.max_error)
@@ -185,15 +185,15 @@ class Route:
     def applicable(self, options: dict[str, Any]) -> dict[str, Any]:
         """Of the settings of an owner that serves several rows (a DDP hook's state, a process
         group, the bench), the ones this row takes: ``code`` and ``fresh_scale`` for CERAR's rows,
-        ``packet_dtype`` where the row has no fixed wire (or it names the row's own), and
+        ``wire_dtype`` where the row has no fixed wire (or it names the row's own), and
         ``ranks_per_node`` for the hierarchical rows; the others apply to every row."""
         drop = set()
         if not self.coded:
             drop |= {"code", "fresh_scale"}
-        if options.get("packet_dtype") not in (None, torch.float32, torch.float64, self.wire_dtype) and (
+        if options.get("wire_dtype") not in (None, torch.float32, torch.float64, self.wire_dtype) and (
             self.wire is not None or not self.coded
         ):
-            drop.add("packet_dtype")
+            drop.add("wire_dtype")
         if not self.hierarchical:
             drop.add("ranks_per_node")
         return {k: v for k, v in options.items() if k not in drop}
@@ -202,7 +202,7 @@ class Route:
         """Refuse the settings that do not apply to this row (naming the row), or bad values."""
         s = settings
         check_choice("nonfinite", s.nonfinite, NONFINITE_POLICIES)
-        check_packet_dtype(s.packet_dtype)
+        check_packet_dtype(s.wire_dtype, "wire_dtype")
         check_stats(s.stats)
         check_max_error(s.max_error)
         check_bool("fresh_scale", s.fresh_scale)
@@ -213,10 +213,10 @@ class Route:
             raise ValueError(f"Argument 'code' does not apply to method {self.name!r}, not {s.code!r}.")
         if s.fresh_scale and not self.coded:
             raise ValueError(f"Argument 'fresh_scale' applies to CERAR's rows, not to method {self.name!r}.")
-        own = s.packet_dtype in (None, torch.float32, torch.float64, self.wire_dtype)
+        own = s.wire_dtype in (None, torch.float32, torch.float64, self.wire_dtype)
         if not own and (self.wire is not None or not self.coded):
             raise ValueError(
-                f"Argument 'packet_dtype' does not apply to method {self.name!r}, not {s.packet_dtype} "
+                f"Argument 'wire_dtype' does not apply to method {self.name!r}, not {s.wire_dtype} "
                 f"(its wire is {self.wire or 'the data own'}; name the row of that wire instead)."
             )
         if s.ranks_per_node is not None and not self.hierarchical:
@@ -242,8 +242,8 @@ class Route:
         """The request of one call on ``ranks`` ranks (nodes, for a hierarchical row): the wire and
         the code resolved, the error checked against ``max_error``."""
         self.check_error(ranks, settings.max_error)
-        wire: Wire = WIRES[self.wire] if self.wire in WIRES else self.packet_wire(tensor.dtype, settings.packet_dtype)
-        if self.wire is None and not self.coded and settings.packet_dtype is None:
+        wire: Wire = WIRES[self.wire] if self.wire in WIRES else self.packet_wire(tensor.dtype, settings.wire_dtype)
+        if self.wire is None and not self.coded and settings.wire_dtype is None:
             wire = _DATA_OWN
         s, code = settings, self.code_for(ranks, tensor.dtype, settings)
         return Request(

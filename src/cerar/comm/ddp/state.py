@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_choice
+from cerar._checks import check_choice, renamed
 from cerar.coding.linear_code import MAX_ERROR, Code, check_max_error
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.ddp.checkpoint import (
@@ -68,7 +68,8 @@ class CerarState(ReplicaSync):
             across the ``c`` components of its column on every rank; the ring keeps it where it
             was, as DDP's default would) and ``stats.fallbacks`` counts it. ``"raise"``: backward
             raises :class:`cerar.comm.collective.api.NonFiniteError` on every rank. ``"ignore"``: no check.
-        packet_dtype: CERAR's packets on the wire (see :func:`cerar.all_reduce`): ``None``
+        wire_dtype: CERAR's packets on the wire (see :func:`cerar.all_reduce`; the deprecated
+            ``packet_dtype`` is accepted with a ``DeprecationWarning``): ``None``
             (float32 for float32 gradients), or ``torch.float16`` / ``torch.bfloat16``, half the
             bytes; the default code is then the one tuned for that precision. Ignored by
             :func:`ring_hook`.
@@ -181,13 +182,14 @@ class CerarState(ReplicaSync):
         code: Code | None = None,
         *,
         nonfinite: str = "exact",
-        packet_dtype: torch.dtype | None = None,
+        wire_dtype: torch.dtype | None = None,
         max_error: float | None = MAX_ERROR,
         min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
         start_iter: int = 0,
         resync_every: int | None = None,
         divergence_tol: float | None = None,
         on_step: Callable[["CerarState", CommStats], None] | None = None,
+        packet_dtype: torch.dtype | None = None,
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -202,7 +204,10 @@ class CerarState(ReplicaSync):
         self.code: Code | None = code
         self.world_size: int | None = None  # resolved at the first bucket
         self.nonfinite: str = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        self.packet_dtype: torch.dtype | None = check_packet_dtype(packet_dtype)
+        # The attribute keeps the name a state_dict saves it under (format 3).
+        self.packet_dtype: torch.dtype | None = check_packet_dtype(
+            renamed("packet_dtype", packet_dtype, "wire_dtype", wire_dtype), "wire_dtype"
+        )
         self.max_error: float | None = check_max_error(max_error)
         self.min_bucket_bytes: int = check_count("min_bucket_bytes", min_bucket_bytes)
         self.start_iter: int = check_count("start_iter", start_iter)
@@ -310,7 +315,7 @@ class CerarState(ReplicaSync):
     def call_settings(self) -> dict[str, Any]:
         """Every setting of the state's that a call takes, for each bucket: the route decides
         what applies to it (and refuses what does not)."""
-        return {"code": self.code, "nonfinite": self.nonfinite, "packet_dtype": self.packet_dtype,
+        return {"code": self.code, "nonfinite": self.nonfinite, "wire_dtype": self.packet_dtype,
                 "max_error": self.max_error}  # fmt: skip
 
     def note_bucket(self, index: int, numel: int) -> CommStats:
@@ -359,7 +364,7 @@ class CerarState(ReplicaSync):
 
     def __repr__(self) -> str:
         return (
-            f"CerarState({self.code!r}, nonfinite={self.nonfinite!r}, packet_dtype={self.packet_dtype}, "
+            f"CerarState({self.code!r}, nonfinite={self.nonfinite!r}, wire_dtype={self.packet_dtype}, "
             f"min_bucket_bytes={self.min_bucket_bytes}, "
             f"start_iter={self.start_iter}, resync_every={self.resync_every}, "
             f"divergence_tol={self.divergence_tol}, iteration={self.iteration}, resyncs={self.resyncs})"

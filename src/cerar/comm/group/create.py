@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from cerar._checks import renamed
 from cerar.coding.linear_code import MAX_ERROR, Code
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES
 from cerar.comm.group.process_group import CerarProcessGroup, GroupSettings
@@ -40,12 +41,13 @@ def new_group(
     *,
     method: str = "cerar",
     code: Code | None = None,
-    packet_dtype: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     max_error: float | None = MAX_ERROR,
     min_bytes: int = DEFAULT_MIN_BUCKET_BYTES,
     nonfinite: str = "exact",
     ranks_per_node: int | None = None,
     timeout: datetime.timedelta | None = None,
+    packet_dtype: torch.dtype | None = None,
 ) -> Any:
     """A :class:`CerarProcessGroup` over ``ranks`` (global ranks; None: the world), as
     ``torch.distributed.new_group``: every rank of the world calls it, in the same order, and
@@ -57,10 +59,11 @@ def new_group(
             ``"ring"``, ``"ring-fp16"``, ``"ring-int8"``, ``"auto"`` (the fastest within
             ``max_error``, per size), ``"hier-cerar"``, ``"hier-ring"``, ``"hier-ring-int8"``
             (exact inside each node, with ``ranks_per_node``)... The old form, a family with a
-            ``packet_dtype`` a row fixes (``method="ring", packet_dtype=torch.int8``) or with
+            ``wire_dtype`` a row fixes (``method="ring", wire_dtype=torch.int8``) or with
             ``ranks_per_node`` (``method="cerar", ranks_per_node=2``), still works and warns
             (``DeprecationWarning``) naming the row.
-        code, packet_dtype, max_error, nonfinite: as :func:`cerar.all_reduce` (``nonfinite``
+        code, wire_dtype, max_error, nonfinite: as :func:`cerar.all_reduce` (``packet_dtype``: the
+            deprecated name of ``wire_dtype``; ``nonfinite``
             defaults to ``"exact"``, as the DDP hooks: a gradient with NaN/Inf is summed exactly).
         min_bytes: all-reduces of tensors smaller than this go to the exact group (default 2 MiB,
             the DDP hook's: CERAR's fixed cost per call outweighs the bytes it saves below it).
@@ -71,7 +74,8 @@ def new_group(
     The inner groups take the default group's backend (Gloo on CPU, NCCL on CUDA).
     Bad arguments raise ValueError or TypeError naming the argument and the value, on every rank.
     """
-    settings = GroupSettings(method, code, packet_dtype, max_error, min_bytes, nonfinite, ranks_per_node)
+    wire_dtype = renamed("packet_dtype", packet_dtype, "wire_dtype", wire_dtype)
+    settings = GroupSettings(method, code, wire_dtype, max_error, min_bytes, nonfinite, ranks_per_node)
     require_initialised()
     world = dist.get_world_size()
     members = _members(ranks, world)
@@ -157,7 +161,7 @@ def _describe(settings: GroupSettings) -> dict[str, Any]:
     return {
         "method": settings.method,
         "code": None if code is None else f"{code!r} fingerprint={code.fingerprint}",
-        "packet_dtype": None if settings.packet_dtype is None else str(settings.packet_dtype),
+        "wire_dtype": None if settings.wire_dtype is None else str(settings.wire_dtype),
         "max_error": settings.max_error,
         "min_bytes": settings.min_bytes,
         "nonfinite": settings.nonfinite,

@@ -69,12 +69,12 @@ _FAMILIES = ("cerar", "ring", "hier-cerar", "hier-ring")
 class GroupSettings:
     """What a :class:`CerarProcessGroup` codes and how, checked when built (see
     :func:`cerar.comm.group.create.new_group` for each setting). ``method`` is a row of the
-    route table; the old form, a family (``"cerar"``, ``"ring"``) with a ``packet_dtype`` that a
+    route table; the old form, a family (``"cerar"``, ``"ring"``) with a ``wire_dtype`` that a
     row fixes or with ``ranks_per_node``, is turned into that row with a ``DeprecationWarning``."""
 
     method: str = "cerar"
     code: Code | None = None
-    packet_dtype: torch.dtype | None = None
+    wire_dtype: torch.dtype | None = None
     max_error: float | None = MAX_ERROR
     min_bytes: int = DEFAULT_MIN_BUCKET_BYTES
     nonfinite: str = "exact"
@@ -84,16 +84,16 @@ class GroupSettings:
         if not isinstance(self.method, str):
             raise TypeError(f"Argument 'method' must be a row of the route table (a str), not {self.method!r}.")
         check_int("min_bytes", self.min_bytes, minimum=0)
-        row, packet = _row(self.method, self.packet_dtype, self.ranks_per_node)
+        row, packet = _row(self.method, self.wire_dtype, self.ranks_per_node)
         if row != self.method:
             warnings.warn(
-                f"cerar.new_group(method={self.method!r}, packet_dtype={self.packet_dtype}, ranks_per_node="
+                f"cerar.new_group(method={self.method!r}, wire_dtype={self.wire_dtype}, ranks_per_node="
                 f"{self.ranks_per_node}) is deprecated: name the row, method={row!r}.",
                 DeprecationWarning,
                 stacklevel=4,
             )
             object.__setattr__(self, "method", row)
-            object.__setattr__(self, "packet_dtype", packet)
+            object.__setattr__(self, "wire_dtype", packet)
         route = self.route
         route.check(self.call_settings())
         if route.family == "auto" and self.ranks_per_node is not None:
@@ -109,21 +109,21 @@ class GroupSettings:
     def call_settings(self, context: dict[str, Any] | None = None) -> Settings:
         """Every setting of the group's, for each coded call: the route decides what applies."""
         return Settings(
-            code=self.code, nonfinite=self.nonfinite, packet_dtype=self.packet_dtype, max_error=self.max_error,
+            code=self.code, nonfinite=self.nonfinite, wire_dtype=self.wire_dtype, max_error=self.max_error,
             ranks_per_node=self.ranks_per_node, context=context,
         )  # fmt: skip
 
 
-def _row(method: str, packet_dtype: torch.dtype | None, ranks_per_node: int | None) -> tuple[str, torch.dtype | None]:
+def _row(method: str, wire_dtype: torch.dtype | None, ranks_per_node: int | None) -> tuple[str, torch.dtype | None]:
     """The row the old form names (a family, a packet dtype, ``ranks_per_node``), and the packet
     dtype left for it to take (None where the row fixes the wire)."""
     if method not in _FAMILIES:
-        return method, packet_dtype
+        return method, wire_dtype
     family = method if ranks_per_node is None or method.startswith("hier-") else f"hier-{method}"
-    if packet_dtype in (None, torch.float32, torch.float64):
-        return family, packet_dtype
-    row = route_for(family, packet_dtype)
-    return row.name, None if row.wire is not None else packet_dtype
+    if wire_dtype in (None, torch.float32, torch.float64):
+        return family, wire_dtype
+    row = route_for(family, wire_dtype)
+    return row.name, None if row.wire is not None else wire_dtype
 
 
 @dataclass
@@ -267,7 +267,7 @@ class CerarProcessGroup(dist.ProcessGroup):
         s = self.settings
         return {
             "cerar.exact()": under_exact, "min_bytes": s.min_bytes, "group method": s.method,
-            "packet_dtype": str(s.packet_dtype), "code": None if s.code is None else s.code.fingerprint,
+            "wire_dtype": str(s.wire_dtype), "code": None if s.code is None else s.code.fingerprint,
             "max_error": s.max_error, "nonfinite": s.nonfinite, "ranks_per_node": s.ranks_per_node,
             "route": "coded" if coded else "exact",
         }  # fmt: skip

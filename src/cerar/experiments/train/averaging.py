@@ -24,8 +24,6 @@ optimizer step, with no DDP bucket in flight, so they run on the default group.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -98,12 +96,10 @@ class FlatAverager:
         self.calls += 1
         n = self.world_size
         route = route_for(ROWS[self.method], self.packet_dtype)
-        options: dict[str, Any] = {} if route.transport == "torch" else {"stats": self.stats}
-        if route.coded:
-            options.update(code=self.code, nonfinite=self.nonfinite, packet_dtype=None)
-        elif route.wire in ("int8", "fp8"):
-            options["nonfinite"] = self.nonfinite
-        start(route, flat, "avg", **options)
+        given = {"code": self.code, "nonfinite": self.nonfinite}
+        if route.transport == "cerar":  # torch's collectives: counted below, by the ring formula
+            given["stats"] = self.stats
+        start(route, flat, "avg", **route.applicable(given))
         if route.transport == "torch":  # Gloo's collectives: the ring formula's bytes
             self.bytes_computed += ring_bytes(n, flat.numel(), 4 if route.wire == "fp32" else 2)
 

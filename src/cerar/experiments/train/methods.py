@@ -146,7 +146,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     state = CerarState(
         code=code,
         nonfinite=config.nonfinite,
-        packet_dtype=None if precision == "fp32" else DTYPES[precision],  # None: the data's own (float32)
+        wire_dtype=None if precision == "fp32" else DTYPES[precision],  # None: the data's own (float32)
         min_bucket_bytes=round(config.min_bucket_mb * 2**20),  # MB as DDP's bucket_cap_mb: MiB
         resync_every=config.resync_every,
         divergence_tol=config.divergence_tol,

@@ -61,21 +61,18 @@ def no_buffer_sync() -> dict[str, bool]:
 
 def group_settings(config: HookSettings, ranks: int) -> dict[str, Any]:
     """``cerar.group.new_group``'s keywords for ``config.method`` over ``ranks`` ranks."""
-    from cerar.comm.runtime.dtypes import DTYPES
-
     min_bytes = round(config.min_bucket_mb * 2**20)
     common = {"min_bytes": min_bytes, "nonfinite": config.nonfinite}
     if config.method == "allreduce":
         return {"min_bytes": _NEVER}
     if config.method in ("ring", "fp16", "int8", "fp8"):
-        wire = None if config.method == "ring" else DTYPES[config.method]
-        return {**common, "method": "ring", "packet_dtype": wire}
+        return {**common, "method": "ring" if config.method == "ring" else f"ring-{config.method}"}
     if config.method == "auto":
         return {**common, "method": "auto", **({} if config.max_error is None else {"max_error": config.max_error})}
     precision = config.packet or "fp32"
     components = config.components if config.components is not None else 2 * ranks
-    packet = None if precision == "fp32" else DTYPES[precision]  # None: the data's own (float32)
-    return {**common, "method": "cerar", "code": cerar_code(ranks, components, precision), "packet_dtype": packet}
+    row = "cerar" if precision == "fp32" else f"cerar-{precision}"  # cerar: the data's own (float32)
+    return {**common, "method": row, "code": cerar_code(ranks, components, precision)}
 
 
 class GroupInstalled(InstalledHook):
