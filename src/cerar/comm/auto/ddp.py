@@ -26,9 +26,9 @@ from cerar.comm.auto.tournament import AutoConfig, Run, Tournament
 from cerar.comm.ddp.checkpoint import SETTINGS, Setting
 from cerar.comm.ddp.hooks import Started, launch_bucket
 from cerar.comm.ddp.state import CerarState, logger
-from cerar.comm.runtime.exact import exact_all_reduce
 from cerar.comm.runtime.handshake import SettingsMismatchError
 from cerar.comm.runtime.stats import CommStats
+from cerar.comm.runtime.torch_groups import torch_all_reduce
 
 __all__ = ["AUTO_STATE_DICT_FORMAT", "AutoState", "AutoStep", "BucketRecord", "auto_hook"]
 
@@ -278,7 +278,7 @@ def _finish(
             assert state.side is not None and state.tournament is not None and state.candidates is not None
             state.tournament.failed(state.candidates.index(candidate))
             result, reason = bucket.buffer(), "fallback"
-            exact_all_reduce(result, state.side.group, average=True)
+            torch_all_reduce(result, state.side.group, average=True)
         candidate.check_finite(result, state.nonfinite, f"average of bucket {bucket.index()}")
         record = BucketRecord(
             bucket.index(), result.numel(), result.numel() * result.element_size(),

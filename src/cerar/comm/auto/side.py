@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar.comm.runtime.exact import new_group_like
 from cerar.comm.runtime.handshake import SettingsMismatchError, settings_hash
+from cerar.comm.runtime.torch_groups import new_group_like
 
 __all__ = ["SideGroup"]
 

@@ -1,4 +1,5 @@
-"""Hierarchical all-reduce for clusters of nodes: exact inside each node, CERAR between nodes.
+"""Hierarchical all-reduce for clusters of nodes: exact inside each node, CERAR or the ring in any
+wire between nodes.
 
 A group of ``N = M x G`` ranks on ``M`` nodes of ``G`` ranks each (group ranks
 ``k*G .. k*G + G - 1`` on node ``k``, as torchrun numbers them) reduces one tensor in three stages:
@@ -8,7 +9,9 @@ A group of ``N = M x G`` ranks on ``M`` nodes of ``G`` ranks each (group ranks
    node's sum of shard ``l`` (``ceil(d / G)`` values; the tensor is zero padded to ``G`` shards);
 2. across nodes, one ring per local rank: the ``M`` ranks with local rank ``l`` all-reduce
    shard ``l`` with CERAR (a code for ``M`` ranks, :func:`hierarchical_all_reduce`) or with the
-   exact ring (:func:`hierarchical_ring_all_reduce`). The ``G`` rings run at the same time, on
+   ring in the row's wire (``hier-ring``: exact, :func:`hierarchical_ring_all_reduce`;
+   ``hier-ring-int8``, ``hier-ring-int4``...: the block wires, whose ``nonfinite`` policy works as
+   CERAR's here). The ``G`` rings run at the same time, on
    different node pairs, so each node's link carries ``G`` shards' worth: per node,
    ``1 + (M-2)/c`` tensors for CERAR and ``2(M-1)/M`` for the ring, against the flat ring's
    ``G x 2(N-1)/N``;

@@ -58,10 +58,10 @@ from cerar.comm.collective.default_code import check_usable, code_within, defaul
 from cerar.comm.collective.hierarchical import hierarchical_call
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.request import Request, Settings
-from cerar.comm.runtime.exact import exact_all_reduce
 from cerar.comm.runtime.groups import ring_of
 from cerar.comm.runtime.nodes import prepare_nodes
 from cerar.comm.runtime.thread import COMM
+from cerar.comm.runtime.torch_groups import torch_all_reduce
 from cerar.comm.runtime.work import Work, forward
 
 __all__ = ["ROUTES", "Call", "Request", "Route", "Settings", "get_route", "register_route", "route_for", "start"]
@@ -103,7 +103,7 @@ class Route:
             on (``n``: ranks, or nodes for a hierarchical row; ``c``: CERAR's components).
         coded: takes a :class:`cerar.Code` (CERAR).
         identical: every rank ends with bitwise the same values.
-        exact: identical, and the sum up to float32 rounding.
+        exact_sum: identical, and the sum up to float32 rounding.
         hierarchical: exact inside each node; ``values``, the code and the error are for the nodes.
         transport: ``"cerar"`` (its point-to-point ring and handshake) or ``"torch"``.
         description: one line for ``--help`` and the docs.
@@ -116,7 +116,7 @@ class Route:
     values: Callable[[int, int | None], float] = _ring_values
     coded: bool = False
     identical: bool = True
-    exact: bool = False
+    exact_sum: bool = False
     hierarchical: bool = False
     transport: str = "cerar"
     description: str = ""
@@ -375,7 +375,7 @@ def _start_exact(route: Route, c: Call) -> Work | None:
         return None
     r = c.resolve(route, dist.get_world_size(c.group))
     _agree_first(route, c, lambda n: route.bytes_per_value(n, None, r.tensor.element_size()))
-    future = exact_all_reduce(r.tensor, r.group, average=r.op == "avg", async_op=True)
+    future = torch_all_reduce(r.tensor, r.group, average=r.op == "avg", async_op=True)
     assert future is not None
     return _finished(Work(future), r.async_op)
 
@@ -428,13 +428,13 @@ def _block_rows() -> list[Route]:
 
 
 for _route in (
-    Route("exact", "exact", "fp32", _start_exact, exact=True, transport="torch",
+    Route("exact", "exact", "fp32", _start_exact, exact_sum=True, transport="torch",
           description="torch.distributed.all_reduce on the caller's group (Gloo, NCCL)"),
     Route("torch-fp16", "torch", "fp16", _start_torch_16, transport="torch",
           description="torch's fp16_compress_hook as a call: cast to float16, torch's all-reduce, cast back"),
     Route("torch-bf16", "torch", "bf16", _start_torch_16, transport="torch",
           description="torch's bf16_compress_hook as a call: cast to bfloat16, torch's all-reduce, cast back"),
-    Route("ring", "ring", None, _start_flat, exact=True,
+    Route("ring", "ring", None, _start_flat, exact_sum=True,
           description="cerar's exact ring (reduce-scatter + all-gather) on cerar's transport"),
     Route("ring-fp16", "ring", "fp16", _start_flat,
           description="the ring sending float16 (power-of-two scaled), accumulating in float32"),
@@ -446,7 +446,7 @@ for _route in (
           description="CERAR with float16 packets (power-of-two scaled; codes designed for float16)"),
     Route("cerar-bf16", "cerar", "bf16", _start_flat, _cerar_values, coded=True, identical=False,
           description="CERAR with bfloat16 packets (codes designed for bfloat16)"),
-    Route("hier-ring", "hier-ring", None, _start_hierarchical, exact=True, hierarchical=True,
+    Route("hier-ring", "hier-ring", None, _start_hierarchical, exact_sum=True, hierarchical=True,
           description="exact reduce-scatter in each node, cerar's exact ring between nodes, all-gather in each node"),
     Route("hier-cerar", "hier-cerar", None, _start_hierarchical, _cerar_values, coded=True, identical=False,
           hierarchical=True,

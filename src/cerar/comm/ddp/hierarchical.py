@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from cerar.coding.linear_code import Code
 from cerar.comm.ddp.state import CerarState
-from cerar.comm.runtime.exact import new_group_like
 from cerar.comm.runtime.groups import require_initialised
 from cerar.comm.runtime.layout import NodeLayout, node_layout
+from cerar.comm.runtime.torch_groups import new_group_like
 
 __all__ = ["HierarchicalState"]
 

@@ -46,8 +46,8 @@ from cerar.comm.ddp.checkpoint import STATE_DICT_FORMAT
 from cerar.comm.ddp.hierarchical import HierarchicalState
 from cerar.comm.ddp.replicas import SKETCH_SIZE, Replicas, replica_divergence, resync
 from cerar.comm.ddp.state import DEFAULT_MIN_BUCKET_BYTES, CerarState
-from cerar.comm.runtime.exact import exact_all_reduce
 from cerar.comm.runtime.stats import CommStats
+from cerar.comm.runtime.torch_groups import torch_all_reduce
 from cerar.comm.runtime.work import chain, for_torch
 
 __all__ = [
@@ -158,7 +158,7 @@ def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.f
             else:
                 state.exact_buckets += 1
                 state.exact_bytes += buffer.numel() * buffer.element_size()
-            return exact_all_reduce(buffer, state.process_group, average=True, async_op=True), _averaged
+            return torch_all_reduce(buffer, state.process_group, average=True, async_op=True), _averaged
         work = start(route, buffer, "avg", group, True, stats=call, **route.applicable(state.call_settings()))
         assert work is not None
         return work.future, _averaged

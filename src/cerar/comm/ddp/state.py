@@ -27,9 +27,9 @@ from cerar.comm.ddp.checkpoint import (
     to_state_dict,
 )
 from cerar.comm.ddp.replicas import ReplicaSync
-from cerar.comm.runtime.exact import new_group_like
 from cerar.comm.runtime.groups import require_initialised
 from cerar.comm.runtime.stats import CommStats
+from cerar.comm.runtime.torch_groups import new_group_like
 
 __all__ = ["DEFAULT_MIN_BUCKET_BYTES", "CerarState"]
 

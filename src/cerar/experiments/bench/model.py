@@ -63,7 +63,7 @@ def has_gamma(candidate: Candidate) -> bool:
     """Whether ``candidate`` takes time per value beyond moving its bytes (casts, CERAR's coding,
     cerar's transport's own work): the ``gamma`` term. Torch's exact float32 all-reduce, which
     the link's ``beta`` is measured by, has none."""
-    return not (candidate.route.exact and candidate.route.transport == "torch")
+    return not (candidate.route.exact_sum and candidate.route.transport == "torch")
 
 
 class Choice(NamedTuple):

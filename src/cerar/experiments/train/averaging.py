@@ -8,7 +8,8 @@ method          average of ``x`` (in place)                                   by
 ``bf16``        back (as torch's ``fp16_compress_hook`` does a bucket)
 ``ring``        :func:`cerar.ring_all_reduce` ``(x, "avg")``                  measured
 ``int8``        the same with ``wire_dtype=torch.int8`` (``fp8``: float8      measured
-                e4m3), the 8-bit ring, the config's ``nonfinite`` policy
+                e4m3; ``int4``: the row ``ring-int4``), the block rings,
+                the config's ``nonfinite`` policy
 ``cerar``       :func:`cerar.all_reduce` ``(x, "avg")`` with the hook's code  measured
                 (``perturbed(N, c)``, 16-bit packets: ``optimized(N, c)``)
                 and the config's ``nonfinite`` policy
@@ -58,7 +59,7 @@ class FlatAverager:
         self.method = config.method
         self.world_size = world_size
         self.identical = self.method != "cerar"
-        self.measured = self.method in ("ring", "int8", "fp8", "cerar")
+        self.measured = self.method in ("ring", "int8", "fp8", "int4", "cerar")
         self.stats = CommStats()
         self.bytes_computed = 0
         self.calls = 0
@@ -80,6 +81,7 @@ class FlatAverager:
                 "ring": "cerar.ring_all_reduce (exact ring, cerar transport)",
                 "int8": "cerar.ring_all_reduce, int8 blocks (the 8-bit ring)",
                 "fp8": "cerar.ring_all_reduce, float8 e4m3 blocks (the 8-bit ring)",
+                "int4": "cerar.all_reduce(method='ring-int4'), int4 blocks (the 4-bit ring)",
             }[self.method]
 
     @property
@@ -96,7 +98,7 @@ class FlatAverager:
         self.calls += 1
         n = self.world_size
         route = route_for(ROWS[self.method], self.packet_dtype)
-        given = {"code": self.code, "nonfinite": self.nonfinite}
+        given = {"code": self.code, "nonfinite": self.nonfinite, "max_error": None}  # quality: the loss
         if route.transport == "cerar":  # torch's collectives: counted below, by the ring formula
             given["stats"] = self.stats
         start(route, flat, "avg", **route.applicable(given))

@@ -19,7 +19,7 @@ __all__ = ["COUNTERS", "ROWS", "Build", "Count", "HookSettings", "InstalledHook"
 #: have their own hooks): the DDP hooks, the schedules' averages and the process groups.
 ROWS = {
     "allreduce": "exact", "fp16": "torch-fp16", "bf16": "torch-bf16", "ring": "ring", "int8": "ring-int8",
-    "fp8": "ring-fp8", "cerar": "cerar",
+    "fp8": "ring-fp8", "int4": "ring-int4", "cerar": "cerar",
 }  # fmt: skip
 
 #: What :meth:`InstalledHook.counters` returns, in order.

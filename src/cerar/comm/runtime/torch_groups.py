@@ -1,6 +1,6 @@
-"""torch.distributed's own exact all-reduce, as cerar's layers use it, and the groups cerar makes.
+"""torch.distributed's own all-reduce, as cerar's layers use it, and the groups cerar makes.
 
-* :func:`exact_all_reduce`: the exact sum or average on a group, in place, any layout: what the
+* :func:`torch_all_reduce`: the exact sum or average on a group, in place, any layout: what the
   DDP hooks send small, sparse and warm-up buckets through (bitwise DDP's default hook for an
   average), what ``method="auto"`` runs as its exact candidate and its fall-back, and what a
   process group hands the calls it does not code to.
@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from cerar.comm.runtime.links import group_timeout
 
-__all__ = ["exact_all_reduce", "new_group_like"]
+__all__ = ["new_group_like", "torch_all_reduce"]
 
 
-def exact_all_reduce(
+def torch_all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup | None, *, average: bool = False, async_op: bool = False
 ) -> torch.futures.Future[list[torch.Tensor]] | None:
     """Sum ``tensor`` over ``group`` in place with ``torch.distributed.all_reduce``; ``average``
