@@ -43,7 +43,7 @@ def test_error_bounds_are_the_predictions() -> None:
     assert get_route("ring-int8").error_bound(N) == pytest.approx(ring_error_bound(N, BlockFormat("int8")))
     code = codes.perturbed(N, 2 * N)
     assert get_route("cerar").error_bound(N, code) == pytest.approx(code.predicted_worst_error("fp32"))
-    assert get_route("ring").exact and get_route("ring-int8").identical and not get_route("ring-int8").exact
+    assert get_route("ring").exact_sum and get_route("ring-int8").identical and not get_route("ring-int8").exact_sum
     assert not get_route("cerar").identical
 
 
