@@ -329,7 +329,8 @@ def round_trip(x: np.ndarray, fmt: BlockFormat | None = None) -> np.ndarray:
 
 
 def ring_error_bound(world_size: int, fmt: BlockFormat | None = None) -> float:
-    """The predicted worst-rank relative error of the 8-bit ring on i.i.d. inputs.
+    """The predicted worst-rank relative error of a block ring (int8, fp8, int4) on i.i.d. inputs,
+    relative to the root-sum-square of the ranks' inputs (the sum's norm for independent inputs).
 
     The ring rounds ``N`` times: at reduce-scatter hop ``k = 1 .. N-1`` the partial sum of ``k``
     inputs it sends, then the owner's full sum of ``N`` (the all-gather forwards that packet

@@ -18,10 +18,12 @@ row             one call                                               identical
 ``ring-fp16``   the ring sending float16 (power-of-two scaled),        yes        ``2(N-1)/N``, 2 bytes
                 float32 sums (``ring-bf16``: bfloat16)
 ``ring-int8``   the ring sending int8 in blocks with one scale each,    yes        ``2(N-1)/N``, 1 byte +
-                requantized at every hop (``ring-fp8``: float8 e4m3)              the block's scale
+                requantized at every hop (``ring-fp8``: float8 e4m3;              the block's scale
+                ``ring-int4``: 4-bit codes two a byte)                            (int4: half a byte)
 ``cerar``       CERAR, float32 (float64) packets                       no         ``1 + (N-2)/c``
 ``cerar-fp16``  CERAR, float16 packets (``cerar-bf16``: bfloat16)      no         ``1 + (N-2)/c``, 2 bytes
 ``hier-ring``   exact inside each node, the ring between the M nodes   yes, exact ``2(M-1)/M`` between
+                (``hier-ring-int8``... : in that wire)
 ``hier-cerar``  exact inside each node, CERAR between the M nodes      no         ``1 + (M-2)/c`` between
 ``auto``        the fastest row within ``max_error`` (:mod:`cerar.comm.auto.collective`)
 ==============  =====================================================  =========  ======================
@@ -29,8 +31,10 @@ row             one call                                               identical
 "identical": every rank ends with bitwise the same values; "exact": and they are the sum up to
 float32 rounding. The predicted errors: a ring whose wire rounds to within ``u`` of each value
 sent (a partial sum of ``k`` of the ``N`` inputs at hop ``k``, and the whole sum once more for the
-all-gather) errs by at most ``u sqrt((N+1)/2)`` relative, for i.i.d. inputs; the 8-bit rings by
-:func:`cerar.coding.blocks.ring_error_bound`; CERAR by its code's
+all-gather) errs by at most ``u sqrt((N+1)/2)`` relative, for i.i.d. inputs; the block rings
+(int8, fp8, int4) by :func:`cerar.coding.blocks.ring_error_bound`, relative to the root-sum-square
+of the ranks' inputs (the sum's norm for independent inputs; where inputs cancel, the sum is
+smaller and the error relative to it larger); CERAR by its code's
 :meth:`cerar.Code.predicted_worst_error` at the packet precision. No row's start imports above
 this layer.
 """

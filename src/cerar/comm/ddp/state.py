@@ -60,19 +60,24 @@ class CerarState(ReplicaSync):
 
     Args:
         process_group: the group DDP averages over (``None``: the default group).
-        code: the :class:`cerar.Code`; its ``world_size`` must equal the group's size. ``None``
-            uses :func:`cerar.comm.collective.api.default_code` for the group's size (resolved at
-            the first bucket). Ignored by :func:`ring_hook`.
-        nonfinite: what a bucket holding NaN or Inf on some rank does. ``"exact"`` (default):
-            that bucket goes through the exact ring instead (CERAR's mixing would spread one NaN
-            across the ``c`` components of its column on every rank; the ring keeps it where it
-            was, as DDP's default would) and ``stats.fallbacks`` counts it. ``"raise"``: backward
-            raises :class:`cerar.comm.collective.api.NonFiniteError` on every rank. ``"ignore"``: no check.
+        code: the :class:`cerar.Code`; its ``world_size`` must equal the group's size. ``None``:
+            the route's one rule (:meth:`cerar.comm.collective.routes.Route.code_for`, the
+            default code within ``max_error``), resolved at the first bucket. Ignored by the
+            rings' hooks.
+        nonfinite: what a bucket holding NaN or Inf on some rank does, for CERAR's and the block
+            rings' hooks (``ring-int8``, ``ring-int4``...). ``"exact"`` (default): that bucket
+            goes through the exact ring instead (CERAR's mixing would spread one NaN across the
+            ``c`` components of its column on every rank, a block ring's to its block; the exact
+            ring keeps it where it was, as DDP's default would) and ``stats.fallbacks`` counts
+            it. ``"raise"``: backward raises :class:`cerar.comm.collective.api.NonFiniteError`
+            on every rank. ``"ignore"``: no check.
         wire_dtype: CERAR's packets on the wire (see :func:`cerar.all_reduce`; the deprecated
             ``packet_dtype`` is accepted with a ``DeprecationWarning``): ``None``
             (float32 for float32 gradients), or ``torch.float16`` / ``torch.bfloat16``, half the
-            bytes; the default code is then the one tuned for that precision. Ignored by
-            :func:`ring_hook`.
+            bytes; the default code is then the one tuned for that precision. Ignored by the
+            rings' hooks.
+        max_error: as :func:`cerar.all_reduce`'s, for every bucket: a row predicted above it is
+            refused, and the default code is bound by it (``ring-int4`` needs more than 0.1).
         resync_every: re-synchronise the replicas every this many optimizer steps (``None``:
             never on a schedule). Each re-sync broadcasts all parameters from the group's rank 0:
             ``4 x parameters`` bytes leave rank 0, about the time of one exact all-reduce.
