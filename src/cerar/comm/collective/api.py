@@ -172,12 +172,14 @@ def ring_all_reduce(
     the same result. ``nonfinite`` applies to these wires, as CERAR's: ``"raise"`` raises
     :class:`NonFiniteError` on every rank before any data moves, ``"exact"`` runs the float32
     ring instead, ``"ignore"`` lets a NaN or Inf make its block NaN. The other wires leave
-    non-finite values where they are, as torch's all-reduce does.
+    non-finite values where they are, as torch's all-reduce does. The wire named runs with no
+    error budget (``cerar.all_reduce(t, method="ring-int8", max_error=...)`` has one).
     """
     wire_dtype = check_wire_dtype(wire_dtype)
     route = route_for("ring", wire_dtype)
     return start(
-        route, tensor, op, group, async_op, stats=stats, wire_dtype=_own(wire_dtype), nonfinite=nonfinite
+        route, tensor, op, group, async_op, stats=stats, wire_dtype=_own(wire_dtype), nonfinite=nonfinite,
+        max_error=None,  # the wire the caller named, with no budget: cerar.all_reduce(method=...) has one
     )
 
 
