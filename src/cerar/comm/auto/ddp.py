@@ -135,10 +135,10 @@ class AutoState(CerarState):
         self._step_end: float | None = None
         self._last: dict[int, int] = {}  # bucket index -> the candidate of its last call
 
-    def resolve_group(self, coded: bool = True, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
+    def resolve_group(self) -> dist.ProcessGroup:
         """The hook's group, and at the first bucket on every rank: the side group, the settings
         agreed on it, the candidates and the tournament."""
-        group = super().resolve_group(False, dtype)
+        group = super().resolve_group()
         if self.tournament is None:
             assert self.world_size is not None
             if self.side is None:
@@ -226,7 +226,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if not isinstance(state, AutoState):
         raise TypeError(f"Argument 'state' of cerar's auto hook must be an AutoState, not {type(state).__name__}.")
     buffer = bucket.buffer()
-    group = state.resolve_group(True, buffer.dtype)
+    group = state.resolve_group()
     tournament, candidates = state.tournament, state.candidates
     assert tournament is not None and candidates is not None
     index, call = bucket.index(), CommStats()

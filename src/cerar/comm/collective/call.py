@@ -28,7 +28,7 @@ from cerar.comm.algorithms.cerar.decode import scale_by_power_of_two
 from cerar.comm.algorithms.cerar.run import CerarRun
 from cerar.comm.algorithms.cerar.scale import PacketScale
 from cerar.comm.algorithms.ring.program import run_ring
-from cerar.comm.algorithms.ring.wires import WIRES
+from cerar.comm.algorithms.ring.wires import OWN
 from cerar.comm.collective.request import Request
 from cerar.comm.runtime.groups import count_call, group_state
 from cerar.comm.runtime.handshake import NO_PROPOSAL, Proposal, Summary, handshake, open_handshake, settings_hash
@@ -124,7 +124,7 @@ def cerar_call(request: Request, ring: Ring, *, within: CommStats | None = None)
                     f"to fall back to the exact ring instead."
                 )
             call.fallbacks += 1
-            run_ring(flat, ring, call, WIRES["fp32"])
+            run_ring(flat, ring, call, OWN)
         if op == "avg":
             flat.div_(ring.size)
 
@@ -203,7 +203,7 @@ def ring_call(request: Request, ring: Ring, *, within: CommStats | None = None) 
                 )
             if nonfinite == "exact":
                 call.fallbacks += 1
-                run_ring(flat, ring, call, WIRES["fp32"])
+                run_ring(flat, ring, call, OWN)
                 if op == "avg":
                     flat.div_(ring.size)
                 return

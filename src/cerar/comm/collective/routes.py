@@ -55,13 +55,14 @@ from cerar._checks import check_bool, check_choice, check_int
 from cerar.coding.blocks import ring_error_bound
 from cerar.coding.linear_code import Code, check_max_error
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
-from cerar.comm.algorithms.ring.wires import WIRES, BlockWire, FloatWire, Wire
+from cerar.comm.algorithms.ring.wires import OWN, WIRES, BlockWire, FloatWire, Wire
 from cerar.comm.collective.call import agree_call, cerar_call, ring_call
 from cerar.comm.collective.checks import check_op, check_packet_dtype, check_stats, check_tensor
 from cerar.comm.collective.default_code import check_usable, code_within, default_code, working_dtype
 from cerar.comm.collective.hierarchical import hierarchical_call
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.collective.request import Request, Settings
+from cerar.comm.runtime.dtypes import dtype_name
 from cerar.comm.runtime.groups import ring_of
 from cerar.comm.runtime.nodes import prepare_nodes
 from cerar.comm.runtime.thread import COMM
@@ -75,8 +76,6 @@ WIRE_BYTES = {"fp64": 8.0, "fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 WIRE_BYTES.update({name: w.fmt.bytes_per_value for name, w in WIRES.items() if isinstance(w, BlockWire)})
 #: The block wires' names (int8, fp8, int4...), each a ``ring-`` and a ``hier-ring-`` row.
 BLOCK_WIRES = tuple(name for name, w in WIRES.items() if isinstance(w, BlockWire))
-_OWN = {torch.float32: FloatWire("fp32", torch.float32), torch.float64: FloatWire("fp64", torch.float64)}
-_DATA_OWN = FloatWire("own", None)
 
 
 Start = Callable[["Route", Request], "Work | None"]
@@ -180,11 +179,13 @@ class Route:
         wire = WIRES.get(self.wire or "")
         if isinstance(wire, FloatWire):
             return wire
-        if packet_dtype in _OWN:
-            return _OWN[packet_dtype]
-        if packet_dtype is not None:
-            return WIRES[precision_name(packet_dtype)]  # type: ignore[return-value]
-        return _OWN[working_dtype(data)]
+        return WIRES[precision_name(packet_dtype or working_dtype(data))]  # type: ignore[return-value]
+
+    def takes_wire_dtype(self, dtype: torch.dtype | None) -> bool:
+        """Whether this row takes ``wire_dtype=dtype``: the data's own width (float32, float64) or
+        the row's own wire on any row, any packet dtype on CERAR's family rows (``cerar``,
+        ``hier-cerar``), which :func:`check_packet_dtype` then checks."""
+        return dtype in (None, torch.float32, torch.float64, self.wire_dtype) or (self.coded and self.wire is None)
 
     def applicable(self, options: dict[str, Any]) -> dict[str, Any]:
         """Of the settings of an owner that serves several rows (a DDP hook's state, a process
@@ -194,9 +195,7 @@ class Route:
         drop = set()
         if not self.coded:
             drop |= {"code", "fresh_scale"}
-        if options.get("wire_dtype") not in (None, torch.float32, torch.float64, self.wire_dtype) and (
-            self.wire is not None or not self.coded
-        ):
+        if not self.takes_wire_dtype(options.get("wire_dtype")):
             drop.add("wire_dtype")
         if not self.hierarchical:
             drop.add("ranks_per_node")
@@ -217,11 +216,11 @@ class Route:
             raise ValueError(f"Argument 'code' does not apply to method {self.name!r}, not {s.code!r}.")
         if s.fresh_scale and not self.coded:
             raise ValueError(f"Argument 'fresh_scale' applies to CERAR's rows, not to method {self.name!r}.")
-        own = s.wire_dtype in (None, torch.float32, torch.float64, self.wire_dtype)
-        if not own and (self.wire is not None or not self.coded):
+        if not self.takes_wire_dtype(s.wire_dtype):
+            wire = self.wire or "the data's own"
             raise ValueError(
                 f"Argument 'wire_dtype' does not apply to method {self.name!r}, not {s.wire_dtype} "
-                f"(its wire is {self.wire or 'the data own'}; name the row of that wire instead)."
+                f"(its wire is {wire}; name the row of that wire instead)."
             )
         if s.ranks_per_node is not None and not self.hierarchical:
             raise ValueError(f"Argument 'ranks_per_node' applies to the hierarchical methods only, not {self.name!r}.")
@@ -248,7 +247,7 @@ class Route:
         self.check_error(ranks, settings.max_error)
         wire: Wire = WIRES[self.wire] if self.wire in WIRES else self.packet_wire(tensor.dtype, settings.wire_dtype)
         if self.wire is None and not self.coded and settings.wire_dtype is None:
-            wire = _DATA_OWN
+            wire = OWN
         s, code = settings, self.code_for(ranks, tensor.dtype, settings)
         return Request(
             tensor, op, group, async_op, self.name, wire, s.nonfinite, s.max_error, s.stats, s.context, code,
@@ -278,17 +277,9 @@ def route_for(family: str, packet_dtype: torch.dtype | None = None) -> Route:
     and a dtype): ``("cerar", torch.float16)`` is ``cerar-fp16``, ``("ring", torch.int8)``
     ``ring-int8``; where no row fixes that wire (float32, float64, None; ``hier-cerar`` with
     16-bit packets), the family's own row, which takes the dtype as its ``packet_dtype``."""
-    wire = wire_name(packet_dtype) if packet_dtype is not None else None
+    wire = dtype_name(packet_dtype, "wire_dtype") if packet_dtype is not None else None
     row = ROUTES.get(f"{family}-{wire}")
     return row if row is not None else get_route(family)
-
-
-def wire_name(dtype: torch.dtype) -> str:
-    """The wire's name of a torch dtype: ``torch.int8`` is ``"int8"``, ``torch.float16`` ``"fp16"``."""
-    for name, wire in WIRES.items():
-        if dtype in (getattr(wire, "dtype", None), getattr(wire, "codes_dtype", None)):
-            return name
-    return precision_name(dtype, "wire_dtype")
 
 
 def start(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from cerar.coding.linear_code import Code
@@ -62,8 +61,8 @@ class HierarchicalState(CerarState):
         super().__setstate__(state)
         self.layout = None
 
-    def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
-        """The hook's group, created at the first bucket with the layout and the code for ``M``."""
+    def resolve_group(self) -> dist.ProcessGroup:
+        """The hook's group, created at the first bucket with the layout (the code's ranks: its ``M`` nodes)."""
         if self._comm_group is None:
             require_initialised("HierarchicalState")
             layout = node_layout(self.process_group, self.ranks_per_node)

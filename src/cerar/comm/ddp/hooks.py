@@ -140,11 +140,12 @@ def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.f
             f"{type(state).__name__}: its code is for the number of nodes, and it knows ranks_per_node."
         )
     buffer = bucket.buffer()
-    group = state.resolve_group(route.coded, buffer.dtype)
-    if route.coded and state.code_ranks is not None:
-        # The given code checked, or the default by the one rule (kept for state_dict), at every
-        # bucket, the ones the bucket policy sends to torch's all-reduce too: a wrong code raises
-        # at the first backward, not at the first bucket large enough.
+    first = state.code_ranks is None  # known once the first bucket has made the group
+    group = state.resolve_group()
+    if route.coded and (first or state.code is None):
+        # The given code checked, or the default by the one rule (kept for state_dict), at the
+        # first bucket, even one the bucket policy sends to torch's all-reduce: a wrong code
+        # raises at the first backward, not at the first bucket large enough.
         state.code = route.code_for(state.code_ranks, buffer.dtype, Settings(**route.applicable(state.call_settings())))
     call = CommStats()
     sparse = buffer.layout != torch.strided

@@ -296,14 +296,14 @@ class CerarState(ReplicaSync):
     # ----------------------------------------------------------------------------------------
     # The hook protocol: what a hook calls on its state for each bucket, in this order
     # (as PowerSGD's hook calls ``PowerSGDState.maybe_increase_iter``):
-    #   group = state.resolve_group(coded, dtype)   the hook's group (and the code), made once
+    #   group = state.resolve_group()               the hook's group, made once
     #   exact = state.exact_path(buffer)            the bucket policy, before bucket_started
     #   figures = state.note_bucket(index, numel)   the bucket's own statistics (coded buckets)
     #   state.bucket_started(bucket.is_last())      the step's bookkeeping
     #   state.bucket_done(call, figures)            once the bucket's future completes (or fails)
     # (hooks.launch_bucket makes the last two calls for every hook, auto's included).
 
-    def resolve_group(self, coded: bool, dtype: torch.dtype = torch.float32) -> dist.ProcessGroup:
+    def resolve_group(self) -> dist.ProcessGroup:
         """The hook's group, created at the first bucket (the hook then checks the code, or
         defaults it by the route's one rule, :meth:`cerar.comm.collective.routes.Route.code_for`)."""
         if self._comm_group is None:

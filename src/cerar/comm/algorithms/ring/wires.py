@@ -36,7 +36,7 @@ from cerar.comm.algorithms.ring.block_ops import quant_ops, quant_pieces
 from cerar.comm.algorithms.workspace import WORKSPACE
 from cerar.comm.runtime.engine import segments
 
-__all__ = ["WIRES", "BlockWire", "Codec", "FloatWire", "Span", "Wire", "wire_named"]
+__all__ = ["OWN", "WIRES", "BlockWire", "Codec", "FloatWire", "Span", "Wire"]
 
 
 class Span(NamedTuple):
@@ -159,13 +159,6 @@ class BlockWire:
     def quantized(self) -> bool:
         return True
 
-    @property
-    def codes_dtype(self) -> torch.dtype | None:
-        """The codes' torch dtype where torch has one (int8, float8 e4m3fn; not int4)."""
-        from cerar.comm.runtime.dtypes import DTYPES
-
-        return DTYPES.get(self.name)
-
     def work_dtype(self, data: torch.dtype) -> torch.dtype:
         return torch.float32
 
@@ -206,18 +199,15 @@ def _block_wires() -> dict[str, BlockWire]:
     return {name: BlockWire(name, BlockFormat(name)) for name in BLOCK_NAMES}
 
 
+#: The data's own dtype on the wire (float32, or float64 for float64 data): the ``ring`` row's
+#: default and the exact ring the non-finite policies fall back to.
+OWN = FloatWire("own", None)
+
 #: Every wire by its name in the route table.
 WIRES: dict[str, Wire] = {
-    "fp32": FloatWire("fp32", None),
-    "fp64": FloatWire("fp64", None),
+    "fp32": FloatWire("fp32", torch.float32),
+    "fp64": FloatWire("fp64", torch.float64),
     "fp16": FloatWire("fp16", torch.float16),
     "bf16": FloatWire("bf16", torch.bfloat16),
     **_block_wires(),
 }
-
-
-def wire_named(name: str) -> Wire:
-    """The wire called ``name``; an unknown one raises ValueError listing them."""
-    if name not in WIRES:
-        raise ValueError(f"Argument 'wire' must be one of {sorted(WIRES)}, not {name!r}.")
-    return WIRES[name]
