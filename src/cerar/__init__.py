@@ -38,6 +38,7 @@ from cerar.protocol.simulate_ring import simulate_ring
 __all__ = [
     "Code",
     "CommStats",
+    "ErrorFeedback",
     "NonFiniteError",
     "RankPlan",
     "RoundStep",
@@ -65,7 +66,9 @@ __all__ = [
 #: The facade's submodules that load torch.distributed, imported on first use.
 _SUBMODULES = ("collective", "ddp", "group", "hierarchical", "transport")
 #: Names of the collective, loaded (with torch.distributed) on first use.
-_COLLECTIVE_NAMES = ("all_reduce", "ring_all_reduce", "shutdown", "NonFiniteError", "SettingsMismatchError")
+_COLLECTIVE_NAMES = (
+    "all_reduce", "ring_all_reduce", "shutdown", "NonFiniteError", "SettingsMismatchError", "ErrorFeedback",
+)  # fmt: skip
 #: Names of the hierarchical collective (exact inside nodes, CERAR between them), loaded likewise.
 _HIERARCHICAL_NAMES = ("hierarchical_all_reduce", "hierarchical_ring_all_reduce")
 #: Names of cerar's process group (it registers the "cerar" backend), loaded likewise.

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from cerar._checks import check_float, renamed
 from cerar.coding.linear_code import MAX_ERROR, Code
+from cerar.comm.algorithms.ring.feedback import ErrorFeedback
 from cerar.comm.algorithms.workspace import WORKSPACE
 from cerar.comm.collective.call import NonFiniteError
 from cerar.comm.collective.checks import check_wire_dtype
@@ -52,6 +53,7 @@ from cerar.comm.runtime.work import WaitTimeoutError, Work
 __all__ = [
     "NONFINITE_POLICIES",
     "ROUTES",
+    "ErrorFeedback",
     "NonFiniteError",
     "Route",
     "SettingsMismatchError",
@@ -88,6 +90,7 @@ def all_reduce(
     method: str = "cerar",
     fresh_scale: bool = False,
     packet_dtype: torch.dtype | None = None,
+    error_feedback: ErrorFeedback | None = None,
 ) -> Any:
     """Sum (or average) ``tensor`` over ``group`` with CERAR, in place.
 
@@ -135,6 +138,13 @@ def all_reduce(
             whose remembered scale may no longer fit: such a call would be redone. Every rank
             must pass the same value: on a size the ranks agreed before, a rank that differs
             makes every rank raise :class:`SettingsMismatchError`.
+        error_feedback: a :class:`cerar.ErrorFeedback`, for the flat block rows (``ring-int8``,
+            ``ring-int4``, ``direct-int8``, ``direct-int4``...): each rank adds what its
+            quantizer rounded away at this store's last call to what it quantizes now, so the
+            error of the sum over many calls stays bounded. One store per tensor all-reduced call
+            after call (a store holding another method's, size's or group's residual is
+            refused); every rank must pass one or none (else :class:`SettingsMismatchError`);
+            the ranks still end bitwise the same. ``None`` (default): no feedback.
 
     Packets are scaled by an exact power of two so that they can neither overflow nor fall into
     subnormals (:mod:`cerar.coding.scaling`): every rank's largest magnitude travels with the
@@ -142,7 +152,7 @@ def all_reduce(
     call's of its size) is redone at one that fits, the same on every rank (``stats.rescales``).
     """
     wire_dtype = renamed("packet_dtype", packet_dtype, "wire_dtype", wire_dtype)
-    options = {"code": code, "wire_dtype": wire_dtype, "fresh_scale": fresh_scale}
+    options = {"code": code, "wire_dtype": wire_dtype, "fresh_scale": fresh_scale, "error_feedback": error_feedback}
     return start(method, tensor, op, group, async_op, nonfinite=nonfinite, max_error=max_error, stats=stats, **options)
 
 

@@ -27,6 +27,7 @@ from cerar.comm.algorithms import native
 from cerar.comm.algorithms.cerar.decode import scale_by_power_of_two
 from cerar.comm.algorithms.cerar.run import CerarRun
 from cerar.comm.algorithms.cerar.scale import PacketScale
+from cerar.comm.algorithms.ring.direct import run_direct
 from cerar.comm.algorithms.ring.program import run_ring
 from cerar.comm.algorithms.ring.wires import OWN
 from cerar.comm.collective.request import Request
@@ -166,22 +167,25 @@ def ring_call(request: Request, ring: Ring, *, within: CommStats | None = None) 
        Inf be NaN on every rank, nothing else. The float wires leave non-finite values where
        they are, as torch's all-reduce does.
     3. The power-of-two scale the agreed maximum calls for (none for an ordinary gradient), then
-       the rounds (:func:`cerar.comm.algorithms.ring.program.run_ring`) in the wire's working dtype: a
-       block wire's is float32 (float64 data is scaled in float64 first, so that values beyond
-       float32's range survive the narrowing).
+       the rounds (:func:`cerar.comm.algorithms.ring.program.run_ring`, or the direct shape's
+       :func:`cerar.comm.algorithms.ring.direct.run_direct`) in the wire's working dtype: a block
+       wire's is float32 (float64 data is scaled in float64 first, so that values beyond
+       float32's range survive the narrowing), with the stream's error-feedback residual where
+       the request carries a store (given back when the call ends, its non-finite entries zeroed
+       where an input held NaN or Inf).
     """
     tensor, op, wire, nonfinite = request.tensor, request.op, request.wire, request.nonfinite
     with call_context(tensor, ring, request.stats, within) as (flat, call, counter):
         if ring.size == 1:
             return
         identity = (request.route, str(tensor.dtype), repr(wire), flat.numel(), op, *items(request.context))
-        quantized = wire.quantized
+        quantized, store = wire.quantized, request.error_feedback
         if quantized:
-            identity += (nonfinite, repr(request.max_error))
+            identity += (nonfinite, repr(request.max_error), store is not None)
         summary: Summary = f"{request.route}, wire {wire.describe()}, values {tensor.dtype}, size {flat.numel()}"
         summary += f", op {op}"
         if quantized:
-            summary += f", nonfinite={nonfinite!r}, max_error={request.max_error}"
+            summary += f", nonfinite={nonfinite!r}, max_error={request.max_error}, error feedback {store is not None}"
         if request.context is not None:
             summary = {**request.context, "method": f"{request.route}, wire {wire.describe()}"}
         native.warm(flat.device, torch.float32)  # a machine's first build, before the ranks line up
@@ -208,15 +212,27 @@ def ring_call(request: Request, ring: Ring, *, within: CommStats | None = None) 
                     flat.div_(ring.size)
                 return
         exponent = wire.scale_exponent(ring.size, agreed.max_abs, flat.dtype)
-        work_dtype = wire.work_dtype(flat.dtype)
-        if work_dtype == flat.dtype:
-            run_ring(flat, ring, call, wire, exponent)
-        else:  # float64 data on a block wire: scaled in float64, so that it survives the narrowing
-            scale_by_power_of_two(flat, -exponent)
-            work = flat.to(work_dtype)
-            run_ring(work, ring, call, wire)
-            flat.copy_(work)
-            scale_by_power_of_two(flat, exponent)
+        run = run_direct if request.direct else run_ring
+        residual = None
+        if store is not None:  # error feedback (the block rows): the stream's residual, held for the call
+            padded = ring.size * math.ceil(flat.numel() / ring.size)
+            residual = store.take(request.route, tensor.numel(), ring.size, padded, flat.device)
+        try:
+            if wire.work_dtype(flat.dtype) == flat.dtype:
+                run(flat, ring, call, wire, exponent, residual)
+            else:  # float64 data on a block wire: scaled in float64, so that it survives the narrowing
+                scale_by_power_of_two(flat, -exponent)
+                if residual is not None:
+                    scale_by_power_of_two(residual, -exponent)
+                work = flat.to(wire.work_dtype(flat.dtype))
+                run(work, ring, call, wire, 0, residual)
+                flat.copy_(work)
+                scale_by_power_of_two(flat, exponent)
+                if residual is not None:
+                    scale_by_power_of_two(residual, exponent)
+        finally:
+            if store is not None:
+                store.give_back(nonfinite=bool(agreed.nonfinite_rank))
         if op == "avg":
             flat.div_(ring.size)
 

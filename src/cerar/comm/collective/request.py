@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from cerar.coding.linear_code import MAX_ERROR, Code
+from cerar.comm.algorithms.ring.feedback import ErrorFeedback
 from cerar.comm.algorithms.ring.wires import Wire
 from cerar.comm.runtime.stats import CommStats
 
@@ -29,7 +30,8 @@ class Settings:
     family rows) and ``fresh_scale`` apply to CERAR's rows, ``ranks_per_node`` to the hierarchical
     ones; a row refuses one that does not apply to it, naming the row. ``nonfinite`` and
     ``max_error`` apply to every row (a row whose predicted error exceeds ``max_error`` is
-    refused; the exact rows and the float32 ring predict float32 rounding)."""
+    refused; the exact rows and the float32 ring predict float32 rounding); ``error_feedback``
+    (a :class:`cerar.ErrorFeedback`) to the flat block rows (``ring-int8``, ``direct-int4``...)."""
 
     code: Code | None = None
     nonfinite: str = "raise"
@@ -39,6 +41,7 @@ class Settings:
     fresh_scale: bool = False
     ranks_per_node: int | None = None
     context: Mapping[str, Any] | None = None  # a layer above's settings, agreed in the call's handshake
+    error_feedback: ErrorFeedback | None = None  # the block rows' residual store
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class Request:
     code: Code | None = None  # CERAR's rows: the code, given or the one rule's default
     fresh_scale: bool = False
     ranks_per_node: int | None = None
+    error_feedback: ErrorFeedback | None = None
+    direct: bool = False  # the direct reduce-scatter instead of the ring (the ``direct-`` rows)
 
     @property
     def packet_dtype(self) -> torch.dtype | None:

@@ -20,6 +20,9 @@ row             one call                                               identical
 ``ring-int8``   the ring sending int8 in blocks with one scale each,    yes        ``2(N-1)/N``, 1 byte +
                 requantized at every hop (``ring-fp8``: float8 e4m3;              the block's scale
                 ``ring-int4``: 4-bit codes two a byte)                            (int4: half a byte)
+``direct-int8`` each rank's chunk straight to its owner, quantized once, yes        as ``ring-int8``
+                the owner's float32 sum quantized once, to every rank
+                (``direct-fp8``, ``direct-int4``)
 ``cerar``       CERAR, float32 (float64) packets                       no         ``1 + (N-2)/c``
 ``cerar-fp16``  CERAR, float16 packets (``cerar-bf16``: bfloat16)      no         ``1 + (N-2)/c``, 2 bytes
 ``hier-ring``   exact inside each node, the ring between the M nodes   yes, exact ``2(M-1)/M`` between
@@ -55,6 +58,7 @@ from cerar._checks import check_bool, check_choice, check_int
 from cerar.coding.blocks import ring_error_bound
 from cerar.coding.linear_code import Code, check_max_error
 from cerar.coding.precision import UNIT_ROUNDOFF, precision_name
+from cerar.comm.algorithms.ring.feedback import ErrorFeedback
 from cerar.comm.algorithms.ring.wires import OWN, WIRES, BlockWire, FloatWire, Wire
 from cerar.comm.collective.call import agree_call, cerar_call, ring_call
 from cerar.comm.collective.checks import check_op, check_packet_dtype, check_stats, check_tensor
@@ -95,7 +99,7 @@ class Route:
 
     Attributes:
         name: the method's name (``"cerar-fp16"``, ``"ring-int8"``).
-        family: ``"cerar"``, ``"ring"``, ``"hier-cerar"``, ``"hier-ring"``, ``"exact"``,
+        family: ``"cerar"``, ``"ring"``, ``"direct"``, ``"hier-cerar"``, ``"hier-ring"``, ``"exact"``,
             ``"torch"`` or ``"auto"``.
         wire: the wire's name, fixed by the row (``"fp16"``, ``"int8"``...), or None: the data's
             own (float32, or float64 for float64 tensors; ``packet_dtype`` float32 or float64
@@ -125,6 +129,11 @@ class Route:
     description: str = ""
 
     @property
+    def takes_feedback(self) -> bool:
+        """Whether the row takes ``error_feedback``: the flat rows of a block wire."""
+        return self.wire in BLOCK_WIRES and not self.hierarchical
+
+    @property
     def wire_dtype(self) -> torch.dtype | None:
         """The wire's torch dtype where the row fixes a narrower float one, else None."""
         return getattr(WIRES.get(self.wire or ""), "dtype", None)
@@ -145,7 +154,7 @@ class Route:
         (:func:`cerar.coding.blocks.ring_error_bound`), a float ring's ``u sqrt((N+1)/2)``."""
         wire = WIRES.get(self.wire or "")
         if isinstance(wire, BlockWire):
-            return ring_error_bound(world_size, fmt=wire.fmt)
+            return ring_error_bound(world_size, fmt=wire.fmt, shape="direct" if self.family == "direct" else "ring")
         precision = self.precision()
         if self.coded and world_size > 2:
             code = code if code is not None else default_code(world_size, precision)
@@ -191,7 +200,8 @@ class Route:
         """Of the settings of an owner that serves several rows (a DDP hook's state, a process
         group, the bench), the ones this row takes: ``code`` and ``fresh_scale`` for CERAR's rows,
         ``wire_dtype`` where the row has no fixed wire (or it names the row's own), and
-        ``ranks_per_node`` for the hierarchical rows; the others apply to every row."""
+        ``ranks_per_node`` for the hierarchical rows, ``error_feedback`` for the flat block rows;
+        the others apply to every row."""
         drop = set()
         if not self.coded:
             drop |= {"code", "fresh_scale"}
@@ -199,6 +209,8 @@ class Route:
             drop.add("wire_dtype")
         if not self.hierarchical:
             drop.add("ranks_per_node")
+        if not self.takes_feedback:
+            drop.add("error_feedback")
         return {k: v for k, v in options.items() if k not in drop}
 
     def check(self, settings: Settings) -> None:
@@ -224,6 +236,14 @@ class Route:
             )
         if s.ranks_per_node is not None and not self.hierarchical:
             raise ValueError(f"Argument 'ranks_per_node' applies to the hierarchical methods only, not {self.name!r}.")
+        if s.error_feedback is not None and not isinstance(s.error_feedback, ErrorFeedback):
+            kind = type(s.error_feedback).__name__
+            raise TypeError(f"Argument 'error_feedback' must be a cerar.ErrorFeedback or None, not {kind}.")
+        if s.error_feedback is not None and not self.takes_feedback:
+            rows = ", ".join(f"{family}-{w}" for family in ("ring", "direct") for w in BLOCK_WIRES)
+            raise ValueError(
+                f"Argument 'error_feedback' applies to the flat block rows ({rows}), not to method {self.name!r}."
+            )
 
     def check_error(self, ranks: int, max_error: float | None) -> None:
         """Refuse a row whose predicted error on ``ranks`` ranks (nodes) exceeds ``max_error``,
@@ -249,9 +269,11 @@ class Route:
         if self.wire is None and not self.coded and settings.wire_dtype is None:
             wire = OWN
         s, code = settings, self.code_for(ranks, tensor.dtype, settings)
+        if s.error_feedback is not None:
+            s.error_feedback.check(self.name, tensor.numel(), ranks)
         return Request(
             tensor, op, group, async_op, self.name, wire, s.nonfinite, s.max_error, s.stats, s.context, code,
-            s.fresh_scale, s.ranks_per_node,
+            s.fresh_scale, s.ranks_per_node, s.error_feedback, self.family == "direct",
         )  # fmt: skip
 
 
@@ -413,6 +435,13 @@ def _block_rows() -> list[Route]:
             f"ring-{name}", "ring", name, _start_flat,
             description=f"the ring sending {name} in blocks ({fmt.describe()}), float32 partial sums, requantized "
             "at every hop, every rank the owner's values",
+        ))  # fmt: skip
+    for name in BLOCK_WIRES:
+        fmt = WIRES[name].fmt  # type: ignore[attr-defined]
+        rows.append(Route(
+            f"direct-{name}", "direct", name, _start_flat,
+            description=f"each rank's chunks straight to their owners in {name} ({fmt.describe()}), the owner's "
+            "float32 sum quantized once, to every rank: two roundings whatever N",
         ))  # fmt: skip
     for name in ("fp16", "bf16", *BLOCK_WIRES):
         rows.append(Route(

@@ -32,21 +32,28 @@ from typing import Any
 import torch
 
 from cerar.comm.algorithms.cerar.decode import scale_by_power_of_two
-from cerar.comm.algorithms.ring.wires import Wire
+from cerar.comm.algorithms.ring.feedback import check_residual, feedback_encode
+from cerar.comm.algorithms.ring.wires import Codec, Wire
 from cerar.comm.algorithms.workspace import WORKSPACE
 from cerar.comm.runtime.engine import Action, Piece, Program, run_program
 from cerar.comm.runtime.links import Ring
 from cerar.comm.runtime.stats import CommStats
 
-__all__ = ["run_ring"]
+__all__ = ["CodecClock", "run_ring"]
 
 
-def run_ring(flat: torch.Tensor, ring: Ring, stats: CommStats, wire: Wire, scale_exponent: int = 0) -> torch.Tensor:
+def run_ring(
+    flat: torch.Tensor, ring: Ring, stats: CommStats, wire: Wire, scale_exponent: int = 0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The ring all-reduce (sum) of the contiguous 1-d ``flat`` in ``wire``, in place; ``flat``'s
     dtype must be the wire's working dtype (float32 for a block wire). The values are divided by
     ``2**scale_exponent`` before the ring and multiplied back after (exact), to keep the wire's
     values in its range. Bytes and rounds are counted in ``stats`` at the transport; on the CPU
-    the codec's time too (``encode_s``, ``decode_s``, ``coding_cpu_s``: see the module doc)."""
+    the codec's time too (``encode_s``, ``decode_s``, ``coding_cpu_s``: see the module doc).
+    ``residual``: error feedback's (:mod:`cerar.comm.algorithms.ring.feedback`), float32 of the
+    padded size ``N * ceil(d / N)``, in the caller's units, updated in place: each hop adds its
+    chunk's residual before it quantizes, with torch ops (not the fused kernel)."""
     if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != wire.work_dtype(flat.dtype):
         shape = tuple(flat.shape)
         raise ValueError(
@@ -55,15 +62,21 @@ def run_ring(flat: torch.Tensor, ring: Ring, stats: CommStats, wire: Wire, scale
         )
     n, d = ring.size, flat.numel()
     chunk = math.ceil(d / n)
+    check_residual(residual, n * chunk)
     padded = WORKSPACE.padded("ring_padded", flat, n * chunk)
     scale_by_power_of_two(padded, -scale_exponent)
     chunks = padded.view(n, chunk)
     codec = wire.codec(flat.dtype, flat.device)
+    fed = None
+    if residual is not None:
+        scale_by_power_of_two(residual, -scale_exponent)
+        scratch = WORKSPACE.get("ring_feedback", (chunk,), flat.dtype, flat.device)
+        fed = _Fed(codec, residual.view(n, chunk), scratch)
     spans = codec.spans(chunk)
     stride = spans[-1].offset + spans[-1].size if spans else 0
     send = WORKSPACE.get("ring_send", (2, stride), codec.buffer_dtype, flat.device)
     recv = WORKSPACE.get("ring_recv", (2, stride), codec.buffer_dtype, flat.device)
-    clock = _CodecClock() if flat.device.type == "cpu" else None
+    clock = CodecClock() if flat.device.type == "cpu" else None
     encode, decode = (clock.encode, clock.decode) if clock is not None else (None, None)
     r = ring.rank
     owned = (r + 1) % n  # fully reduced here after the reduce-scatter
@@ -74,7 +87,10 @@ def run_ring(flat: torch.Tensor, ring: Ring, stats: CommStats, wire: Wire, scale
             out, arrived = send[t % 2, offset : offset + size], recv[t % 2, offset : offset + size]
             before = recv[(t - 1) % 2, offset : offset + size]  # what round t - 1 brought
             prepare: Action
-            if t == 1:  # this rank's own chunk
+            if t <= n and fed is not None:  # as below, plus the residual of the chunk's last call
+                j = (r - t + 1) % n
+                prepare = _bind(encode, fed.hop, chunks[j], j, a, b, None if t == 1 else before, out, t == n)
+            elif t == 1:  # this rank's own chunk
                 prepare = _bind(encode, codec.encode, chunks[r, a:b], out)
             elif t < n:  # the partial sum: what arrived plus this rank's chunk
                 prepare = _bind(encode, codec.add_encode, chunks[(r - t + 1) % n, a:b], before, out, False)
@@ -91,18 +107,40 @@ def run_ring(flat: torch.Tensor, ring: Ring, stats: CommStats, wire: Wire, scale
     if clock is not None:
         clock.add_to(stats)
     scale_by_power_of_two(padded, scale_exponent)
+    if residual is not None:
+        scale_by_power_of_two(residual, scale_exponent)
     if padded is not flat:
         flat.copy_(padded[:d])
-    stats.peak_extra_bytes = max(stats.peak_extra_bytes, WORKSPACE.held_bytes)
+    extra = WORKSPACE.held_bytes + (0 if residual is None else residual.numel() * residual.element_size())
+    stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
     return flat
 
 
+class _Fed:
+    """A ring hop with error feedback: what arrived (none in round 1) plus the rank's chunk plus
+    the chunk's residual, encoded; the residual keeps what was rounded away."""
+
+    def __init__(self, codec: Codec, residuals: torch.Tensor, scratch: torch.Tensor) -> None:
+        self.codec, self.residuals, self.scratch = codec, residuals, scratch
+
+    def hop(
+        self, own: torch.Tensor, j: int, a: int, b: int, arrived: torch.Tensor | None, packet: torch.Tensor, keep: bool
+    ) -> None:
+        value, mine = self.scratch[a:b], own[a:b]
+        if arrived is None:
+            value.copy_(mine)
+        else:
+            self.codec.decode(arrived, value)
+            value.add_(mine)
+        feedback_encode(self.codec, value, self.residuals[j, a:b], packet, mine if keep else None)
+
+
 def _bind(timer: Callable[..., None] | None, call: Callable[..., object], *args: Any) -> Action:
-    """``call(*args)`` as an action, through ``timer`` (a :class:`_CodecClock`'s) where one times it."""
+    """``call(*args)`` as an action, through ``timer`` (a :class:`CodecClock`'s) where one times it."""
     return functools.partial(call, *args) if timer is None else functools.partial(timer, call, *args)
 
 
-class _CodecClock:
+class CodecClock:
     """The codec's time in one call (see the module doc): wall seconds of its encodes and of its
     decodes, and the thread's CPU seconds in both."""
 

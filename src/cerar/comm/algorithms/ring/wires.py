@@ -8,7 +8,8 @@ a wire says how each is done in its format:
   decoded, plus the rank's own values, encoded into the next packet; with ``keep`` (the owner of
   a fully reduced chunk) ``own`` is overwritten with the decoded packet, so that the owner keeps
   exactly what every other rank will receive;
-* ``decode(packet, out)``: an all-gather packet's values written into ``out``.
+* ``decode(packet, out)``: an all-gather packet's values written into ``out``
+  (``decode_add``: added to it, the direct shape's owner summing what it received).
 
 The wires (:data:`WIRES`, by the name the route table uses):
 
@@ -58,6 +59,7 @@ class Codec(Protocol):
     def encode(self, values: torch.Tensor, packet: torch.Tensor) -> None: ...
     def add_encode(self, own: torch.Tensor, arrived: torch.Tensor, packet: torch.Tensor, keep: bool) -> None: ...
     def decode(self, packet: torch.Tensor, out: torch.Tensor) -> None: ...
+    def decode_add(self, packet: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 class Wire(Protocol):
@@ -139,6 +141,9 @@ class _CastCodec:
     def decode(self, packet: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(packet)
 
+    def decode_add(self, packet: torch.Tensor, out: torch.Tensor) -> None:
+        out.add_(packet)
+
 
 @dataclass(frozen=True)
 class BlockWire:
@@ -191,6 +196,9 @@ class _BlockCodec:
 
     def decode(self, packet: torch.Tensor, out: torch.Tensor) -> None:
         self.ops.dequantize(packet, out)
+
+    def decode_add(self, packet: torch.Tensor, out: torch.Tensor) -> None:
+        self.ops.dequantize(packet, out, accumulate=True)
 
 
 def _block_wires() -> dict[str, BlockWire]:
