@@ -44,7 +44,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results.md"
-DOCS = (README, RESULTS)
+DOCS = (README, RESULTS, ROOT / "docs" / "guide.md", ROOT / "docs" / "internals.md")
 WORLD = 4  # ranks the runnable blocks run on
 #: What the commands' placeholders stand for (README: "node 0's address for NODE0", M nodes of G ranks).
 PLACEHOLDERS = {"M": "4", "G": "2", "k": "0"}
