@@ -1,7 +1,8 @@
 """Checkpoints of :class:`cerar.comm.ddp.hooks.CerarState`: its ``state_dict`` as plain values, and the
 checks of one being loaded.
 
-A ``state_dict`` holds only ``None``, bools, ints, floats, strings and dicts of them, so that
+A ``state_dict`` holds only ``None``, bools, ints, floats, strings, dicts of them and the
+error-feedback residuals' float32 tensors (:class:`CerarState` adds those), so that
 ``torch.save(state.state_dict(), f)`` loads with ``torch.load(f, weights_only=True)`` (no pickled
 classes to trust). It is one rank's: the statistics are what that rank measured, so each rank
 saves and loads its own, and the saving rank's ``rank`` and ``world_size`` are kept to check it.
@@ -15,13 +16,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
-from cerar._checks import check_choice, check_float, check_int
+from cerar._checks import check_bool, check_choice, check_float, check_int
 from cerar.coding.linear_code import Code
 from cerar.comm.collective.checks import check_packet_dtype
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.runtime.stats import CommStats
 
 __all__ = [
+    "PREVIOUS_FORMAT",
     "SETTINGS",
     "STATE_DICT_FORMAT",
     "Setting",
@@ -34,8 +36,11 @@ __all__ = [
 ]
 
 #: The ``"format"`` entry of a ``CerarState.state_dict()`` (2: the bucket policy's settings and
-#: counts were added; 3: ``packet_dtype``, and ``rescales`` in the statistics).
-STATE_DICT_FORMAT = "cerar.comm.ddp.hooks.CerarState/3"
+#: counts were added; 3: ``packet_dtype``, and ``rescales`` in the statistics; 4:
+#: ``error_feedback`` and the buckets' residuals, float32 tensors, which ``weights_only`` loads).
+STATE_DICT_FORMAT = "cerar.comm.ddp.hooks.CerarState/4"
+#: The format before, which still loads (no error feedback, no residuals).
+PREVIOUS_FORMAT = "cerar.comm.ddp.hooks.CerarState/3"
 #: ``packet_dtype`` settings by the name a state_dict saves them under (plain strings).
 PACKET_DTYPE_NAMES = (None, "float32", "float64", "float16", "bfloat16")
 #: Statistics saved as they are: counts, seconds, divergences (``None`` if never measured).
@@ -75,6 +80,7 @@ SETTINGS: dict[str, Setting] = {
     "start_iter": (_same, lambda v: check_count("start_iter", v)),
     "resync_every": (_same, lambda v: check_every("resync_every", v)),
     "divergence_tol": (_same, lambda v: check_tol("divergence_tol", v)),
+    "error_feedback": (_same, lambda v: check_bool("error_feedback", v)),
 }
 
 
@@ -110,6 +116,8 @@ def from_state_dict(
     without one (auto's state)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"Argument 'state_dict' must be a mapping from state_dict(), not {type(state_dict).__name__}.")
+    if form == STATE_DICT_FORMAT and state_dict.get("format") == PREVIOUS_FORMAT:  # before error feedback
+        state_dict = {**state_dict, "format": form, "error_feedback": False}
     if state_dict.get("format") != form:
         raise ValueError(f"Key 'format' of the state_dict must be {form!r}, not {state_dict.get('format')!r}.")
     keys = ["format", *(["code"] if form == STATE_DICT_FORMAT else []), *settings, *_RECORDS]

@@ -147,6 +147,11 @@ def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.f
         # first bucket, even one the bucket policy sends to torch's all-reduce: a wrong code
         # raises at the first backward, not at the first bucket large enough.
         state.code = route.code_for(state.code_ranks, buffer.dtype, Settings(**route.applicable(state.call_settings())))
+    if state.error_feedback and not route.takes_feedback:
+        raise ValueError(
+            f"Argument 'error_feedback' of the CerarState applies to the hooks of the flat block rows "
+            f"(ring-int8, direct-int4...), not to the hook of {route.name!r}."
+        )
     call = CommStats()
     sparse = buffer.layout != torch.strided
     exact = not sparse and state.exact_path(buffer)  # before the last bucket advances iteration
@@ -160,7 +165,11 @@ def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.f
                 state.exact_buckets += 1
                 state.exact_bytes += buffer.numel() * buffer.element_size()
             return torch_all_reduce(buffer, state.process_group, average=True, async_op=True), _averaged
-        work = start(route, buffer, "avg", group, True, stats=call, **route.applicable(state.call_settings()))
+        settings = route.applicable(state.call_settings())
+        if state.error_feedback:  # the bucket's residual, new where its parameters changed
+            layout = ";".join("x".join(map(str, p.shape)) for p in bucket.parameters())
+            settings["error_feedback"] = state.feedback_for(bucket.index(), layout)
+        work = start(route, buffer, "avg", group, True, stats=call, **settings)
         assert work is not None
         return work.future, _averaged
 

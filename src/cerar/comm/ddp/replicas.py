@@ -140,7 +140,11 @@ class ReplicaSync:
         resync(model, self.process_group, optimizer=optimizer)
         self.resync_s += time.perf_counter() - started
         self.resyncs += 1
+        self.after_resync()
         return True
+
+    def after_resync(self) -> None:
+        """What a subclass drops once the replicas are equal again (the DDP state's residuals)."""
 
     def record_divergence(self, model: nn.Module) -> float:
         """Measure :func:`replica_divergence` on the state's group and keep it in the statistics."""

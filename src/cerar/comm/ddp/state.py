@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cerar._checks import check_choice, renamed
+from cerar._checks import check_bool, check_choice, renamed
 from cerar.coding.linear_code import MAX_ERROR, Code, check_max_error
+from cerar.comm.algorithms.ring.feedback import ErrorFeedback
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.comm.ddp.checkpoint import (
     SETTINGS,
@@ -100,6 +101,15 @@ class CerarState(ReplicaSync):
             Both rules depend only on the bucket's size and the iteration count, which are the
             same on every rank, so every rank takes the same path for each bucket. The exact
             path does not apply ``nonfinite`` (non-finite values are summed, as DDP's default).
+        error_feedback: for the hooks of the flat block rows (``ring-int8``, ``ring-int4``,
+            ``direct-int8``, ``direct-int4``...): each bucket keeps the residual of what this
+            rank's quantizer rounded away (:class:`cerar.ErrorFeedback`, one per bucket index,
+            4 bytes per parameter in all) and adds it to what it sends next step, so the error of
+            the sum over steps stays bounded. A bucket's residual is dropped when its layout
+            changes (DDP's rebuild after the first iteration) and at every re-synchronisation; it
+            is saved and loaded with :meth:`state_dict`. Default ``False``. The hooks of other
+            rows refuse a state with it at the first bucket. Whether it pays is measured per row in
+            ``docs/results.md``.
         on_step: ``on_step(state, stats)``, called with the step's :class:`CommStats` when the
             last bucket of a backward pass completes. It runs on the communication thread, so
             keep it short; an exception in it fails that backward.
@@ -151,6 +161,7 @@ class CerarState(ReplicaSync):
         "bucket_stats",
         "code",
         "divergence_tol",
+        "error_feedback",
         "exact_buckets",
         "exact_bytes",
         "iteration",
@@ -163,6 +174,7 @@ class CerarState(ReplicaSync):
         "on_step",
         "packet_dtype",
         "process_group",
+        "residuals",
         "resync_every",
         "resync_s",
         "resyncs",
@@ -173,8 +185,11 @@ class CerarState(ReplicaSync):
         "world_size",
     )
     # Process groups and the lock cannot be pickled, ``on_step`` may not be, a step in flight is
-    # nothing to restore, and the group's size is resolved again with the group.
-    _NOT_PICKLED = ("process_group", "_comm_group", "_lock", "_open_buckets", "_step", "_step_closing", "on_step")
+    # nothing to restore (nor are the residuals, which hold locks: state_dict() saves those), and
+    # the group's size is resolved again with the group.
+    _NOT_PICKLED = (
+        "process_group", "_comm_group", "_lock", "_open_buckets", "_step", "_step_closing", "on_step", "residuals",
+    )  # fmt: skip
     _RESOLVED_AGAIN = ("world_size",)
     #: The record of one backward pass (``last_step``); :class:`cerar.comm.auto.ddp.AutoState`'s adds its buckets.
     _STEP_RECORD: type[CommStats] = CommStats
@@ -195,6 +210,7 @@ class CerarState(ReplicaSync):
         divergence_tol: float | None = None,
         on_step: Callable[["CerarState", CommStats], None] | None = None,
         packet_dtype: torch.dtype | None = None,
+        error_feedback: bool = False,
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -219,7 +235,9 @@ class CerarState(ReplicaSync):
         self.resync_every: int | None = check_every("resync_every", resync_every)
         self.divergence_tol: float | None = check_tol("divergence_tol", divergence_tol)
         self.on_step = on_step
+        self.error_feedback: bool = check_bool("error_feedback", error_feedback)
         # Internal buffers, keyed by bucket index.
+        self.residuals: dict[int, tuple[str, ErrorFeedback]] = {}  # (the bucket's layout, its residual)
         self.bucket_numel: dict[int, int] = {}
         self.bucket_stats: dict[int, CommStats] = {}
         # Statistics.
@@ -246,7 +264,11 @@ class CerarState(ReplicaSync):
         group). See :mod:`cerar.comm.ddp.checkpoint`."""
         with self._lock:
             size = self.world_size or _size(self.process_group)
-            return to_state_dict(self, _rank(self.process_group), size, self._FORMAT, self._SETTINGS)
+            out = to_state_dict(self, _rank(self.process_group), size, self._FORMAT, self._SETTINGS)
+            if self._FORMAT == STATE_DICT_FORMAT:
+                held = self.residuals.items()
+                out["residuals"] = {i: {"layout": layout, **store.state_dict()} for i, (layout, store) in held}
+            return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, on the rank that saved it.
@@ -256,10 +278,16 @@ class CerarState(ReplicaSync):
         are taken from ``state_dict``. Errors name the bad key, and leave the state unchanged.
         """
         size = self.world_size or _size(self.process_group)
+        residuals: dict[int, tuple[str, ErrorFeedback]] = {}
+        if self._FORMAT == STATE_DICT_FORMAT and isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)
+            residuals = _loaded_residuals(state_dict.pop("residuals", {}))
         values = from_state_dict(state_dict, self.code, _rank(self.process_group), size, self._FORMAT, self._SETTINGS)
         with self._lock:
             for name, value in values.items():
                 setattr(self, name, value)
+            if self._FORMAT == STATE_DICT_FORMAT:
+                self.residuals = residuals
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the process groups, ``on_step`` and a step in flight (a subclass's own
@@ -277,6 +305,7 @@ class CerarState(ReplicaSync):
         self.world_size = None
         self.on_step = None
         self._comm_group = None  # created on the first bucket (every rank runs it at the same point)
+        self.residuals = {}  # a checkpoint's state_dict() keeps them; a pickle starts afresh
         self._new_step()
         logger.warning(
             "NOTE: CerarState's process group is set to the default group; set "
@@ -322,6 +351,24 @@ class CerarState(ReplicaSync):
         what applies to it (and refuses what does not)."""
         return {"code": self.code, "nonfinite": self.nonfinite, "wire_dtype": self.packet_dtype,
                 "max_error": self.max_error}  # fmt: skip
+
+    def feedback_for(self, index: int, layout: str) -> ErrorFeedback:
+        """Bucket ``index``'s error-feedback store; a new one where the bucket's ``layout`` (its
+        parameters' shapes) changed, as when DDP rebuilds its buckets."""
+        held = self.residuals.get(index)
+        if held is None or held[0] != layout:
+            held = self.residuals[index] = (layout, ErrorFeedback())
+        return held[1]
+
+    @property
+    def feedback_bytes(self) -> int:
+        """Bytes the error-feedback residuals hold on this rank (4 per parameter once every bucket
+        has run)."""
+        return sum(store.nbytes for _, store in self.residuals.values())
+
+    def after_resync(self) -> None:
+        """The replicas were made equal again: every residual is dropped (it was this replica's)."""
+        self.residuals.clear()
 
     def note_bucket(self, index: int, numel: int) -> CommStats:
         """The statistics kept for bucket ``index`` (started afresh when DDP's rebuilt buckets
@@ -372,8 +419,26 @@ class CerarState(ReplicaSync):
             f"CerarState({self.code!r}, nonfinite={self.nonfinite!r}, wire_dtype={self.packet_dtype}, "
             f"min_bucket_bytes={self.min_bucket_bytes}, "
             f"start_iter={self.start_iter}, resync_every={self.resync_every}, "
-            f"divergence_tol={self.divergence_tol}, iteration={self.iteration}, resyncs={self.resyncs})"
+            f"divergence_tol={self.divergence_tol}, error_feedback={self.error_feedback}, "
+            f"iteration={self.iteration}, resyncs={self.resyncs})"
         )
+
+
+def _loaded_residuals(saved: Any) -> dict[int, tuple[str, ErrorFeedback]]:
+    """The residuals a state_dict saved (``{index: {"layout", "identity", "residual"}}``)."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"Key 'residuals' of the state_dict must be a mapping, not {type(saved).__name__}.")
+    out = {}
+    for index, entry in saved.items():
+        if not isinstance(index, int) or not isinstance(entry, Mapping) or not isinstance(entry.get("layout"), str):
+            raise ValueError(f"Key 'residuals' of the state_dict holds a bad entry {index!r}: {entry!r:.200}.")
+        store = ErrorFeedback()
+        try:
+            store.load_state_dict(entry)
+        except ValueError as exc:
+            raise ValueError(f"Key 'residuals' of the state_dict holds a bad entry {index!r}: {exc}") from None
+        out[index] = (entry["layout"], store)
+    return out
 
 
 def _rank(process_group: dist.ProcessGroup | None) -> int | None:

@@ -10,6 +10,8 @@ method          average of ``x`` (in place)                                   by
 ``int8``        the same with ``wire_dtype=torch.int8`` (``fp8``: float8      measured
                 e4m3; ``int4``: the row ``ring-int4``), the block rings,
                 the config's ``nonfinite`` policy
+``direct-int8`` :func:`cerar.all_reduce` by that row (``direct-int4``), with a measured
+                :class:`cerar.ErrorFeedback` of the averager's under ``+ef``
 ``cerar``       :func:`cerar.all_reduce` ``(x, "avg")`` with the hook's code  measured
                 (``perturbed(N, c)``, 16-bit packets: ``optimized(N, c)``)
                 and the config's ``nonfinite`` policy
@@ -28,9 +30,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cerar.comm.algorithms.ring.feedback import ErrorFeedback
 from cerar.comm.runtime.dtypes import DTYPES
 from cerar.comm.runtime.stats import CommStats
-from cerar.experiments.train.installed import ROWS, HookSettings, cerar_code, ring_bytes
+from cerar.experiments.train.installed import BLOCK_METHODS, ROWS, HookSettings, cerar_code, ring_bytes
 
 __all__ = ["FlatAverager"]
 
@@ -51,15 +54,17 @@ class FlatAverager:
     """
 
     __slots__ = (
-        "bytes_computed", "calls", "code", "description", "identical", "measured", "method", "nonfinite",
-        "packet_dtype", "stats", "world_size",
+        "bytes_computed", "calls", "code", "description", "feedback", "identical", "measured", "method",
+        "nonfinite", "packet_dtype", "stats", "world_size",
     )  # fmt: skip
 
     def __init__(self, config: HookSettings, world_size: int) -> None:
         self.method = config.method
         self.world_size = world_size
         self.identical = self.method != "cerar"
-        self.measured = self.method in ("ring", "int8", "fp8", "int4", "cerar")
+        self.measured = self.method in ("ring", "cerar", *BLOCK_METHODS)
+        # Error feedback (+ef): one residual for the one flat tensor this averager sees.
+        self.feedback = ErrorFeedback() if getattr(config, "error_feedback", False) else None
         self.stats = CommStats()
         self.bytes_computed = 0
         self.calls = 0
@@ -82,7 +87,11 @@ class FlatAverager:
                 "int8": "cerar.ring_all_reduce, int8 blocks (the 8-bit ring)",
                 "fp8": "cerar.ring_all_reduce, float8 e4m3 blocks (the 8-bit ring)",
                 "int4": "cerar.all_reduce(method='ring-int4'), int4 blocks (the 4-bit ring)",
+                "direct-int8": "cerar.all_reduce(method='direct-int8'), int8 blocks, the direct reduce-scatter",
+                "direct-int4": "cerar.all_reduce(method='direct-int4'), int4 blocks, the direct reduce-scatter",
             }[self.method]
+            if self.feedback is not None:
+                self.description += ", error feedback"
 
     @property
     def bytes_sent(self) -> int:
@@ -99,6 +108,7 @@ class FlatAverager:
         n = self.world_size
         route = route_for(ROWS[self.method], self.packet_dtype)
         given = {"code": self.code, "nonfinite": self.nonfinite, "max_error": None}  # quality: the loss
+        given["error_feedback"] = self.feedback
         if route.transport == "cerar":  # torch's collectives: counted below, by the ring formula
             given["stats"] = self.stats
         start(route, flat, "avg", **route.applicable(given))

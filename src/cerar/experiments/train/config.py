@@ -14,9 +14,10 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from cerar._checks import check_choice, check_float, check_int
+from cerar._checks import check_bool, check_choice, check_float, check_int
 from cerar.comm.collective.policies import NONFINITE_POLICIES
 from cerar.experiments._flags import add_flags, flag, flag_group, from_flags
+from cerar.experiments.train.installed import BLOCK_METHODS
 from cerar.experiments.train.methods import HOOKS, POWERSGD_START, ROW_NAMES, method_names, resolve
 from cerar.experiments.train.parallel import PARALLELS, check_parallel
 from cerar.experiments.train.schedules import (
@@ -120,6 +121,8 @@ class TrainConfig:
         method: a key of :data:`~cerar.experiments.train.methods.HOOKS`.
         components: ``cerar``: the code's ``c`` (``None``: ``2N``).
         max_error: ``auto``: the error budget (``None``: the library's, 0.1), from ``auto:1e-3``.
+        error_feedback: the block methods' error feedback (:class:`cerar.ErrorFeedback`), from a
+            spec ending in ``+ef`` (``direct-int4+ef``, ``diloco:10:int4+ef``).
         packet: ``cerar``: 16-bit packets, ``"fp16"`` or ``"bf16"`` (``None``: float32), from
             the spec ``cerar:8:fp16``; the code is then tuned for that precision.
         parallel: ``"ddp"`` (the method's DDP hook), ``"group"`` (DDP over cerar's process
@@ -190,6 +193,7 @@ class TrainConfig:
         default=None, metadata=flag("cerar/ring: re-sync when the replicas diverge more than this", default_text="off")
     )
     max_error: float | None = None
+    error_feedback: bool = False
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, HOOKS)
@@ -225,6 +229,12 @@ class TrainConfig:
             check_float("max_error", self.max_error, positive=True)
             if self.method != "auto":
                 raise ValueError(f"Argument 'max_error' applies to method 'auto' only, not {self.method!r}.")
+        check_bool("error_feedback", self.error_feedback)
+        if self.error_feedback and self.method not in BLOCK_METHODS:
+            raise ValueError(
+                f"Argument 'error_feedback' (+ef) applies to the block methods ({', '.join(BLOCK_METHODS)}), "
+                f"not {self.method!r}."
+            )
         check_schedule(self)
 
     @property
@@ -237,7 +247,7 @@ class TrainConfig:
             return f"{self.method}-r{self.powersgd_rank}{start}"
         if self.method == "auto" and self.max_error is not None:
             return f"auto-{self.max_error:g}"
-        return self.method
+        return self.method + ("+ef" if self.error_feedback else "")
 
     @property
     def name(self) -> str:
@@ -303,6 +313,8 @@ class TrainConfig:
 
 #: CERAR's 16-bit packet precisions in a method spec (``cerar:8:fp16``).
 PACKETS = ("fp16", "bf16")
+#: What a spec ends with to turn on a block method's error feedback.
+EF_SUFFIX = "+ef"
 
 
 def parse_method(spec: str, world_size: int, grouped: bool = False) -> tuple[str, dict[str, Any]]:
@@ -321,6 +333,9 @@ def parse_method(spec: str, world_size: int, grouped: bool = False) -> tuple[str
     world_size = check_int("world_size", world_size, minimum=1)
     if not isinstance(spec, str):
         raise TypeError(f"Argument 'method' must be a string, not {spec!r}.")
+    if spec.endswith(EF_SUFFIX):  # direct-int4+ef, diloco:10:int4+ef: the block method's error feedback
+        name, overrides = parse_method(spec.removesuffix(EF_SUFFIX), world_size, grouped)
+        return name, {**overrides, "error_feedback": True}
     name, _, param = spec.partition(":")
     if name not in (*HOOKS, *ROW_NAMES, *SCHEDULES, *PARALLELS):
         raise ValueError(f"Argument 'method' must be one of {_spec_names()}, not {name!r}.")

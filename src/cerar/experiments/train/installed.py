@@ -12,15 +12,20 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["COUNTERS", "ROWS", "Build", "Count", "HookSettings", "InstalledHook", "cerar_code", "ring_bytes"]
+__all__ = [
+    "BLOCK_METHODS", "COUNTERS", "ROWS", "Build", "Count", "HookSettings", "InstalledHook", "cerar_code", "ring_bytes",
+]  # fmt: skip
 
 #: The route table's row (:mod:`cerar.comm.collective.routes`) each training method's all-reduce
 #: runs, where one does (``cerar`` with 16-bit packets: ``cerar-fp16``...; PowerSGD and auto
 #: have their own hooks): the DDP hooks, the schedules' averages and the process groups.
 ROWS = {
     "allreduce": "exact", "fp16": "torch-fp16", "bf16": "torch-bf16", "ring": "ring", "int8": "ring-int8",
-    "fp8": "ring-fp8", "int4": "ring-int4", "cerar": "cerar",
+    "fp8": "ring-fp8", "int4": "ring-int4", "cerar": "cerar", "direct-int8": "direct-int8",
+    "direct-int4": "direct-int4",
 }  # fmt: skip
+#: The methods whose all-reduce quantizes in blocks: they take error feedback (``+ef``).
+BLOCK_METHODS = ("int8", "fp8", "int4", "direct-int8", "direct-int4")
 
 #: What :meth:`InstalledHook.counters` returns, in order.
 COUNTERS = (
@@ -44,6 +49,7 @@ class HookSettings(Protocol):
     divergence_tol: float | None
     min_bucket_mb: float
     max_error: float | None
+    error_feedback: bool
 
 
 @dataclass

@@ -15,7 +15,9 @@ method         hook                                                        bytes
                one thread (see :class:`_SerialHook`)
 ``ring``       :func:`cerar.comm.ddp.hooks.ring_hook` (exact ring, cerar transport)    measured
 ``int8``       the 8-bit ring (int8 blocks, row ``ring-int8``; ``fp8``: float8 e4m3;   measured
-               ``int4``: the 4-bit ring, row ``ring-int4``)
+               ``int4``: the 4-bit ring, row ``ring-int4``); ``direct-int8``,
+               ``direct-int4``: the direct reduce-scatter's rows; ``+ef`` after
+               any of these (``int4+ef``, ``direct-int4+ef``): error feedback
 ``cerar``      :func:`cerar.comm.ddp.hooks.cerar_hook` with ``perturbed(N, c)``        measured
                (``cerar:c:fp16``/``:bf16``: 16-bit packets, ``optimized(N, c)``
                designed for that precision)
@@ -152,6 +154,7 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
         resync_every=config.resync_every,
         divergence_tol=config.divergence_tol,
         max_error=None,  # training measures its quality by the loss; the 4-bit ring predicts 0.19
+        error_feedback=config.error_feedback,
     )
     if coded:
         packets = "" if precision == "fp32" else f", {precision} packets"
@@ -167,8 +170,10 @@ def _build_cerar_or_ring(config: HookSettings, world_size: int) -> tuple[Install
     elif config.method == "ring":
         installed = InstalledHook("ring", True, "ring_hook (exact ring, cerar transport)", state=state)
     else:  # the block-quantized rings
-        installed = InstalledHook(config.method, True, f"{route.name} hook: {route.description}", state=state)
-        installed.extra = {"wire": route.wire, "predicted_worst_error": route.error_bound(world_size)}
+        feedback = ", error feedback" if config.error_feedback else ""
+        installed = InstalledHook(config.method, True, f"{route.name} hook{feedback}: {route.description}", state=state)
+        installed.extra = {"wire": route.wire, "predicted_worst_error": route.error_bound(world_size),
+                           "error_feedback": config.error_feedback}  # fmt: skip
 
     def count(bucket: dist.GradBucket) -> None:
         buffer = bucket.buffer()
@@ -320,6 +325,8 @@ HOOKS: dict[str, Hook] = {
         Hook("int8", "int8", _build_cerar_or_ring),
         Hook("fp8", "fp8", _build_cerar_or_ring),
         Hook("int4", "int4", _build_cerar_or_ring),
+        Hook("direct-int8", "direct-int8", _build_cerar_or_ring),
+        Hook("direct-int4", "direct-int4", _build_cerar_or_ring),
         Hook("cerar", "cerar[:c|:kN][:fp16|:bf16]", _build_cerar_or_ring, parameter="components", per_rank=True),
         Hook("auto", "auto[:max_error]", _build_auto, parameter="max_error"),
         Hook("hier-ring", "hier-ring", _build_hierarchical, hierarchical=True),
@@ -388,6 +395,8 @@ ROW_NAMES: dict[str, tuple[str | None, str | None]] = {
     "ring-int8": ("int8", "int8"),
     "ring-fp8": ("fp8", "fp8"),
     "ring-int4": ("int4", "int4"),
+    "direct-int8": ("direct-int8", "direct-int8"),
+    "direct-int4": ("direct-int4", "direct-int4"),
     "cerar": ("cerar", "cerar"),
     "cerar-fp16": ("cerar:fp16", "cerar:fp16"),
     "cerar-bf16": ("cerar:bf16", "cerar:bf16"),

@@ -32,7 +32,7 @@ __all__ = ["GROUP_METHODS", "PARALLELS", "build_parallel", "check_parallel", "no
 
 #: The process-group ways of a run (``"ddp"``, the hook, is the default) and the methods they run.
 PARALLELS = ("group", "hsdp")
-GROUP_METHODS = ("allreduce", "ring", "fp16", "int8", "fp8", "int4", "cerar", "auto")
+GROUP_METHODS = ("allreduce", "ring", "fp16", "int8", "fp8", "int4", "direct-int8", "direct-int4", "cerar", "auto")
 _NEVER = 2**62  # a min_bytes no tensor reaches: every all-reduce to the exact group
 
 
@@ -48,6 +48,11 @@ def check_parallel(config: Any) -> None:
         )
     if config.schedule is not None:
         raise ValueError(f"Argument 'schedule' does not apply to {config.parallel}, not {config.schedule!r}.")
+    if getattr(config, "error_feedback", False):
+        raise ValueError(
+            f"Argument 'error_feedback' (+ef) is not offered under {config.parallel}: cerar's process group has no "
+            f"error feedback (it did not lower the loss in training, docs/results.md), not {config.method}+ef."
+        )
 
 
 def no_buffer_sync() -> dict[str, bool]:
@@ -69,6 +74,8 @@ def group_settings(config: HookSettings, ranks: int) -> dict[str, Any]:
         # No error budget: training measures its quality by the loss (the 4-bit ring predicts 0.19).
         row = "ring" if config.method == "ring" else f"ring-{config.method}"
         return {**common, "method": row, "max_error": None}
+    if config.method.startswith("direct-"):
+        return {**common, "method": config.method, "max_error": None}
     if config.method == "auto":
         return {**common, "method": "auto", **({} if config.max_error is None else {"max_error": config.max_error})}
     precision = config.packet or "fp32"
