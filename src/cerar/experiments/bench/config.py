@@ -30,7 +30,8 @@ __all__ = [
 
 REGIME_CHOICES = ("fast", "slow", "both")
 DEFAULT_METHODS = (
-    "builtin", "ring-fp16", "ring-bf16", "ring-int8", "ring-int4", "cerar", "cerar-fp16", "auto",
+    "builtin", "ring-fp16", "ring-bf16", "ring-int8", "direct-int8", "ring-int4", "direct-int4", "cerar", "cerar-fp16",
+    "auto",
 )  # fmt: skip
 NODE_METHODS = ("builtin", "ring", "cerar", "hier-ring", "hier-cerar")  # the default with --ranks-per-node > 1
 MiB = 1 << 20

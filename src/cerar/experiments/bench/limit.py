@@ -19,6 +19,11 @@ the owner's result (``s_x``), and each of the ``N - 1`` all-gather packets is de
 written and ``2(N - 1)`` read: ``2 s_x + w (3 - 2 / N)`` bytes per value (the all-gather's
 forwarding of a packet unchanged is the program's copy, not the codec's, and is neither timed nor
 counted). A hierarchical ring counts its ring of ``M`` nodes on each rank's ``1 / G`` shard.
+The direct shape's codec (``direct-int8``...) encodes the ``N - 1`` chunks it sends (read
+``s_x``, write ``w``), adds the ``N - 1`` packets it receives into its own chunk (read ``w``,
+read and write ``s_x``), encodes and decodes its sum (``s_x + w`` twice) and decodes the ``N - 1``
+sums it receives (read ``w``, write ``s_x``): ``s_x (4 - 2 / N) + w (3 - 1 / N)`` bytes per value.
+Error feedback's extra passes (the residual read and written) are not counted.
 
 :func:`copy_bandwidth` measures the rate (bytes read plus bytes written per second by
 ``dst.copy_(src)`` of a buffer far larger than the caches), on every rank at once, as the coding
@@ -45,12 +50,12 @@ RING_FAMILIES = ("ring", "hier-ring")
 
 
 def ring_codec(method: Any) -> bool:
-    """Whether ``method`` is a ring whose wire is lossy (16 bits, or a block wire): a codec the
-    limit counts (see the module doc)."""
+    """Whether ``method`` is a ring (or the direct shape) whose wire is lossy (16 bits, or a block
+    wire): a codec the limit counts (see the module doc)."""
     from cerar.comm.algorithms.ring.wires import WIRES
 
     wire = WIRES.get(method.packet_precision)
-    return getattr(method, "family", "") in RING_FAMILIES and wire is not None and wire.lossy
+    return getattr(method, "family", "") in (*RING_FAMILIES, "direct") and wire is not None and wire.lossy
 
 
 def coding_bytes_per_value(
@@ -60,6 +65,8 @@ def coding_bytes_per_value(
     a hierarchical method codes each rank's shard, ``1 / G`` of the input, over ``M`` nodes):
     CERAR's encode and decode, or a lossy ring's codec (the module doc has both counts)."""
     n = method.ring_size(world_size, ranks_per_node)
+    if ring_codec(method) and method.family == "direct":
+        return data_bytes * (4 - 2 / n) + method.wire_bytes_per_value * (3 - 1 / n)
     if ring_codec(method):
         return 2 * data_bytes + method.wire_bytes_per_value * (3 - 2 / n)
     if not method.coded or components is None:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cerar.comm.auto.candidates import Candidate, rank
-from cerar.comm.collective.routes import get_route
+from cerar.comm.collective.routes import ROUTES, get_route
 from cerar.comm.runtime.handshake import dissemination_distances
 
 __all__ = [
@@ -184,7 +184,9 @@ def decide_slot(candidates: Sequence[Candidate], predicted: Sequence[float], *, 
 #: the 16-bit rings cerar's ring with a 16-bit wire).
 AUTO_LABELS = {"exact": "builtin", "fp16": "ring-fp16", "bf16": "ring-bf16", "int8": "ring-int8", "fp8": "ring-fp8"}
 #: The flat bench methods the model covers, and the row of the route table each runs.
-_FLAT = ("ring", "ring-fp16", "ring-bf16", "ring-int8", "ring-fp8", "ring-int4", "cerar", "cerar-fp16", "cerar-bf16")
+_FLAT = tuple(
+    name for name, route in ROUTES.items() if route.transport == "cerar" and not route.hierarchical and name != "auto"
+)
 _ROWS = {"builtin": "exact", **{m: m for m in _FLAT}}
 
 
