@@ -121,7 +121,7 @@ def _feedback_worker(rank: int, world: int, method: str, calls: int) -> tuple[li
 def test_error_feedback_makes_the_sum_over_calls_converge(method: str) -> None:
     calls = 64
     results = check(run_ranks(_feedback_worker, 4, method, calls, timeout=300))
-    plain, fed, same, nbytes = results[0]
+    plain, fed, _, nbytes = results[0]
     assert all(r[2] for r in results)  # bitwise the same on every rank, every call, either way
     assert nbytes == 4 * 4 * math.ceil(4096 / 4)  # one float32 per padded value
     # Without feedback the running mean keeps the one call's error (the same gradient rounds the

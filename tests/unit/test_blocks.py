@@ -80,8 +80,8 @@ def test_format_defaults_and_validation() -> None:
     assert fmt.bytes_per_value == 1 + 2 / 64
     assert BlockFormat("fp8", 32, "fp32").bytes_per_value == 1.125
     assert "int8" in fmt.describe() and "64" in fmt.describe()
-    with pytest.raises(ValueError, match=r"'wire'.*'int2'"):
-        BlockFormat("int2")
+    with pytest.raises(ValueError, match=r"'wire'.*'int1'"):
+        BlockFormat("int1")
     # int4: the measured default block (32), half a byte a code, even blocks only
     assert BlockFormat("int4") == BlockFormat("int4", DEFAULT_BLOCK["int4"], "bf16") == BlockFormat("int4", 32)
     assert BlockFormat("int8") == BlockFormat("int8", 64, "bf16") and BlockFormat("fp8").block == 64
@@ -272,4 +272,4 @@ def test_ring_arguments() -> None:
     assert ring_error_bound(4) == ring_error_bound(4, BlockFormat())
     assert ring_error_bound(4, BlockFormat("fp8")) > ring_error_bound(4, BlockFormat("int8")) > 0
     assert ring_error_bound(4, BlockFormat("int4")) > ring_error_bound(4, BlockFormat("fp8"))
-    assert QMAX == {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+    assert QMAX == {"int8": 127.0, "fp8": 448.0, "int4": 7.0, "int3": 3.0, "int2": 1.0}

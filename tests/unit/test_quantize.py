@@ -16,11 +16,13 @@ from cerar.coding.blocks import BlockFormat
 from cerar.comm.algorithms import native
 from cerar.comm.algorithms.ring import quantize as q8
 
+#: The wires the compiled kernels take (int3 and int2 have torch ops only: tests/unit/test_low_wires.py).
+COMPILED_WIRES = tuple(wire for wire in blocks.WIRES if wire in native.QUANT_WIRES)
 #: Block sizes per wire: 1, an odd one and 64; int4's blocks are even (2, 6, 64).
 TEST_BLOCKS = {"int8": (1, 7, 64), "fp8": (1, 7, 64), "int4": (2, 6, 64)}
 FORMATS = [
     BlockFormat(wire, block, scale)
-    for wire in blocks.WIRES
+    for wire in COMPILED_WIRES
     for scale in blocks.SCALE_DTYPES
     for block in TEST_BLOCKS[wire]
 ]
@@ -145,7 +147,7 @@ def test_dequantize_and_the_fused_hop_match_the_reference(fmt: BlockFormat, kind
             assert _same(mine, kept)
 
 
-@pytest.mark.parametrize("wire", blocks.WIRES)
+@pytest.mark.parametrize("wire", COMPILED_WIRES)
 def test_rounding_ties_and_every_code(wire: str) -> None:
     """A block whose absmax is QMAX has scale 1 (exact in every scale dtype), so its codes are its
     values rounded: every code, every tie between neighbours and the values beside each tie (for
@@ -181,7 +183,7 @@ def test_rounding_ties_and_every_code(wire: str) -> None:
 def test_every_code_dequantizes_as_the_reference(scale: str) -> None:
     """All 256 bytes (the e4m3fn NaNs included; for int4 every pair of nibbles, -8 included), by a
     scale of 1 and of 0.75, through the torch ops and the compiled kernels."""
-    for wire in blocks.WIRES:
+    for wire in COMPILED_WIRES:
         m = 512 if wire == "int4" else 256
         fmt = BlockFormat(wire, m, scale)
         codes = np.arange(256, dtype=np.uint8)
@@ -200,7 +202,7 @@ def test_every_code_dequantizes_as_the_reference(scale: str) -> None:
                 assert _same(out, expected)
 
 
-@pytest.mark.parametrize("wire", blocks.WIRES)
+@pytest.mark.parametrize("wire", COMPILED_WIRES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_block_sums_spread_nonfinite_within_their_block_only(wire: str, bad: float) -> None:
     fmt = BlockFormat(wire, 8, "bf16")
@@ -326,7 +328,7 @@ def test_scales_round_alike_over_every_binade(scale: str) -> None:
     g = np.random.default_rng(5)
     bits = (g.integers(0, 255, 200_000, dtype=np.uint32) << 23) | g.integers(0, 1 << 23, 200_000, dtype=np.uint32)
     x = torch.from_numpy(bits.view(np.float32) * np.where(g.random(200_000) < 0.5, -1, 1).astype(np.float32))
-    for wire in blocks.WIRES:
+    for wire in COMPILED_WIRES:
         fmt = BlockFormat(wire, 2 if wire == "int4" else 1, scale)  # int4: pairs share a scale
         packet = _packet(x.numel(), fmt)
         q8.quantize_into(x, packet, fmt)

@@ -96,4 +96,4 @@ def test_the_old_group_form_names_its_row() -> None:
     with pytest.raises(ValueError, match="Argument 'code' does not apply to method 'ring-int8'"):
         GroupSettings("ring-int8", code=codes.exact(4))
     with pytest.raises(ValueError, match="Argument 'method' must be one of"):
-        GroupSettings("ring-int3")
+        GroupSettings("ring-int1")

@@ -1,27 +1,34 @@
-"""Block-quantized packets (8-bit int8 and float8 e4m3fn, 4-bit int4): the numpy reference of the format.
+"""Block-quantized packets (8-bit int8 and float8 e4m3fn, 4-bit int4, 3-bit int3, 2-bit int2): the numpy
+reference of the format.
 
 A float32 vector of ``m`` values travels as ``m`` codes and one scale per block of ``block``
 values (the last block shorter; it is computed as if zero padded, and the pad is not sent), so a
 value costs ``code_bits / 8 + scale_itemsize / block`` bytes: ``1 + 2/64`` for int8 in blocks of
-64 with bfloat16 scales, ``0.5 + 2/block`` for int4. Per block:
+64 with bfloat16 scales, ``0.5 + 2/block`` for int4 (``0.375 + 2/block`` for int3, ``0.25 + 2/block``
+for int2). Per block:
 
 1. ``absmax = max |x|`` in float32;
 2. ``s = float32(absmax) / float32(QMAX)`` (a float32 division), rounded to the scale dtype with
    round-to-nearest-even (fp16 through numpy's float16, bf16 through
    :func:`cerar.coding.precision.rounder`) and kept as a float32 value;
-3. ``q = x / s`` in float32, clamped to ``[-QMAX, QMAX]``, then rounded: ``int8`` and ``int4`` to
+3. ``q = x / s`` in float32, clamped to ``[-QMAX, QMAX]``, then rounded: the integer wires to
    the nearest integer, ties to even (``np.rint``); ``fp8`` to the nearest float8_e4m3fn value,
    ties to even (:func:`fp8_encode`); a block whose ``s`` is 0 or not finite gets ``q = 0``;
 4. dequantized as ``float32(q) * s`` (a float32 multiply).
 
-Codes on the wire: one byte each for int8 (two's complement) and fp8 (the e4m3fn bit pattern);
-int4 codes (``QMAX = 7``, so ``-8`` never occurs) two a byte, value ``2i`` in the low nibble and
-``2i + 1`` in the high one, each a two's complement nibble, and an odd count pads its last high
-nibble with 0 (:func:`pack_int4`). int4 blocks must hold an even number of values, so that every
-block's codes start on a whole byte and a packet is the per-block codes laid end to end: the
-compiled kernels then quantize and dequantize a block at a time, as for the 8-bit wires.
-:func:`quantize` returns int4 codes unpacked (int8 values in ``[-7, 7]``); :func:`code_bytes` gives
-the bytes that travel.
+Codes on the wire: one byte each for int8 (two's complement) and fp8 (the e4m3fn bit pattern).
+The narrower integer codes travel packed (:func:`pack_codes`), ``b`` bits each as a
+little-endian bit stream: code ``i`` is the ``b``-bit two's complement field at bits
+``b i .. b i + b - 1`` of the stream, stream bit ``k`` being bit ``k mod 8`` of byte ``k // 8``, and
+the last byte's unused bits are 0. So int4 codes (``QMAX = 7``, so ``-8`` never occurs) go two a
+byte, value ``2i`` in the low nibble and ``2i + 1`` in the high one (:func:`pack_int4`); int3 codes
+(``QMAX = 3``) eight in three bytes; int2 codes (``QMAX = 1``: ternary, the pattern ``10`` never
+occurs) four a byte, value ``4i`` in the lowest two bits. A block must hold a whole number of
+bytes' worth of codes, an even number of values for int4, a multiple of 8 for int3 and of 4 for
+int2, so that every block's codes start on a whole byte and a packet is the per-block codes laid
+end to end: the compiled kernels (int8, fp8 and int4 only) then quantize and dequantize a block at
+a time. :func:`quantize` returns the narrow codes unpacked (int8 values in ``[-QMAX, QMAX]``);
+:func:`code_bytes` gives the bytes that travel.
 
 A non-finite input makes its block's ``absmax`` and so its scale non-finite, and the block
 dequantizes to NaN (``0 * inf`` and ``0 * nan``): non-finite input spreads to its block, no further.
@@ -41,7 +48,7 @@ bf16      ``absmax >= QMAX 1.2e-38``  ``QMAX 1.2e-38``                    ``absm
 fp16      ``absmax >= QMAX 6.1e-5``   ``QMAX 6.1e-5``                     ``absmax < QMAX 3.0e-8``
 ========  ==========================  ==================================  ================================
 
-(``QMAX`` is 127, 448 or 7.) So bfloat16 scales do *not* have float32's whole range. Measured
+(``QMAX`` is 127, 448, 7, 3 or 1.) So bfloat16 scales do *not* have float32's whole range. Measured
 on Gaussian blocks of 64 with bfloat16 scales, against the same blocks at absmax 1: int8's
 error is 2.5x near absmax ``1e-37``, up to 26x (15% relative) near ``1.7e-38``, and a block below
 about ``5.8e-39`` comes back zero; int4's is 1.3x near ``1e-39`` and a block below about
@@ -86,21 +93,23 @@ __all__ = [
     "direct_round_trip",
     "fp8_decode",
     "fp8_encode",
+    "pack_codes",
     "pack_int4",
     "quantize",
     "ring_error_bound",
     "round_trip",
+    "unpack_codes",
     "unpack_int4",
 ]
 
-#: The block-quantized wire formats: 8-bit int8 and float8 e4m3fn, 4-bit int4.
-WIRES: tuple[str, ...] = ("int8", "fp8", "int4")
+#: The block-quantized wire formats: 8-bit int8 and float8 e4m3fn, 4-bit int4, 3-bit int3, 2-bit int2.
+WIRES: tuple[str, ...] = ("int8", "fp8", "int4", "int3", "int2")
 #: The largest magnitude of each wire's codes: a block's absmax maps onto it.
-QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+QMAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0, "int4": 7.0, "int3": 3.0, "int2": 1.0}
 #: Bits per code on the wire.
-CODE_BITS: dict[str, int] = {"int8": 8, "fp8": 8, "int4": 4}
+CODE_BITS: dict[str, int] = {"int8": 8, "fp8": 8, "int4": 4, "int3": 3, "int2": 2}
 #: Each wire's default block size, chosen by measurement (:class:`BlockFormat`'s docstring).
-DEFAULT_BLOCK: dict[str, int] = {"int8": 64, "fp8": 64, "int4": 32}
+DEFAULT_BLOCK: dict[str, int] = {"int8": 64, "fp8": 64, "int4": 32, "int3": 64, "int2": 128}
 #: The dtypes a block's scale can travel in, and their bytes.
 SCALE_DTYPES: tuple[str, ...] = ("fp32", "fp16", "bf16")
 SCALE_ITEMSIZE: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -149,9 +158,10 @@ def fp8_decode(codes: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """A block-quantized wire: ``wire`` (``"int8"``, ``"fp8"``, float8 e4m3fn, or ``"int4"``),
-    values per ``block`` (the last block of a vector may be shorter; even for int4, whose blocks
-    must start on a whole byte; default: the wire's :data:`DEFAULT_BLOCK`) and the ``scale``
+    """A block-quantized wire: ``wire`` (``"int8"``, ``"fp8"``, float8 e4m3fn, ``"int4"``, ``"int3"``
+    or ``"int2"``), values per ``block`` (the last block of a vector may be shorter; a whole
+    number of bytes of codes, so that every block starts on a whole byte: even for int4, a multiple
+    of 8 for int3, of 4 for int2; default: the wire's :data:`DEFAULT_BLOCK`) and the ``scale``
     dtype of the one scale each block carries (``"fp32"``, ``"fp16"``, ``"bf16"``).
 
     The defaults were chosen by measurement: docs/protocol.md, "8-bit wires", tabulates bytes and
@@ -170,6 +180,13 @@ class BlockFormat:
       1.25x (Student-t(3)) against 1.41x; 32 to 64 costs 1.23x and 1.20x on Student-t(3) against
       1.19x. (Transposed as it stands, int8's rule, 1.25x of the smallest block, would pick
       blocks of 8 at 0.75 bytes per value, giving back half of int4's saving over int8.)
+    * int3 in blocks of 64 and int2 in blocks of 128, bfloat16 scales (0.40625 and 0.265625 bytes
+      per value), by int4's rule over ``B = 8 .. 128`` (``block_table(wires=("int3", "int2"))``,
+      ``N = 4`` and 8; the scale dtypes' errors agree within 0.1%): int3's 32 to 64 costs at most
+      1.18x (Student-t(3), ``N = 4``) against 1.19x, 64 to 128 1.16x against 1.09x; every int2
+      doubling up to 128 pays (64 to 128: at most 1.04x against 1.09x), its error saturating: the
+      int2 ring errs 1.29 at ``N = 4`` on Gaussian inputs (int3's 0.41, int4's 0.15), more than
+      the sum's own norm, a wire for error feedback (:class:`cerar.ErrorFeedback`) only.
     """
 
     wire: str = "int8"
@@ -181,10 +198,14 @@ class BlockFormat:
         if self.block is None:
             object.__setattr__(self, "block", DEFAULT_BLOCK[self.wire])
         check_int("block", self.block, minimum=1)
-        if CODE_BITS[self.wire] == 4 and self.block % 2:
+        bits = CODE_BITS[self.wire]
+        unit = _byte_unit(bits)
+        if self.block % unit:
+            multiple = "even" if unit == 2 else f"a multiple of {unit}"
             raise ValueError(
-                f"Argument 'block' must be even for the 4-bit wire {self.wire!r} (two codes a byte, every block "
-                f"starting on a whole byte), not {self.block}."
+                f"Argument 'block' must be {multiple} for the {bits}-bit wire {self.wire!r} ({unit} codes in "
+                f"{unit * bits // 8} byte{'s' if unit * bits > 8 else ''}, every block starting on a whole byte), "
+                f"not {self.block}."
             )
         check_choice("scale", self.scale, SCALE_DTYPES)
 
@@ -194,13 +215,13 @@ class BlockFormat:
 
     @property
     def code_bits(self) -> int:
-        """Bits per code on the wire: 8, or 4 for int4."""
+        """Bits per code on the wire: 8, or 4, 3, 2 for int4, int3, int2."""
         return CODE_BITS[self.wire]
 
     @property
     def bytes_per_value(self) -> float:
-        """Bytes on the wire per value: one code (a byte, or half of one) plus the block's scale
-        shared by ``block`` values."""
+        """Bytes on the wire per value: one code (a byte, or ``code_bits / 8`` of one) plus the
+        block's scale shared by ``block`` values."""
         return self.code_bits / 8 + SCALE_ITEMSIZE[self.scale] / self.block
 
     def blocks(self, m: int) -> int:
@@ -208,45 +229,81 @@ class BlockFormat:
         return -(-int(m) // self.block)
 
     def code_bytes(self, m: int) -> int:
-        """Bytes of the codes of ``m`` values: ``m``, or ``ceil(m / 2)`` for int4."""
+        """Bytes of the codes of ``m`` values: ``m``, or ``ceil(m code_bits / 8)`` packed
+        (``ceil(m / 2)`` for int4)."""
         return -(-int(m) * self.code_bits // 8)
 
     def describe(self) -> str:
         return f"{self.wire} in blocks of {self.block} with {self.scale} scales ({self.bytes_per_value:.4f} B/value)"
 
 
+def _byte_unit(bits: int) -> int:
+    """The fewest codes of ``bits`` bits that fill whole bytes: 1 for 8 bits, 2 for 4, 4 for 2, 8
+    for 3. A block must be a multiple of it."""
+    return 8 // math.gcd(bits, 8)
+
+
+def _check_bits(bits: int) -> int:
+    bits = check_int("bits", bits, minimum=1)
+    if bits > 8:
+        raise ValueError(f"Argument 'bits' must be at most 8, not {bits}.")
+    return bits
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Integer codes (along the last axis, length ``m``, each within ``bits``-bit two's complement,
+    ``[-2^(bits-1), 2^(bits-1) - 1]``) as the ``ceil(m bits / 8)`` bytes that travel: a little-endian
+    bit stream, code ``i`` at bits ``bits i .. bits i + bits - 1`` (stream bit ``k`` is bit
+    ``k mod 8`` of byte ``k // 8``), the last byte's unused bits 0. For 4 bits: value ``2i`` in
+    byte ``i``'s low nibble, ``2i + 1`` in its high nibble (:func:`pack_int4`)."""
+    bits = _check_bits(bits)
+    codes = np.asarray(codes)
+    m = codes.shape[-1]
+    fields = codes.astype(np.int8).view(np.uint8) & np.uint8((1 << bits) - 1)
+    stream = np.unpackbits(fields[..., None], axis=-1, bitorder="little")[..., :bits]
+    stream = stream.reshape(*codes.shape[:-1], m * bits)
+    return np.packbits(stream, axis=-1, bitorder="little")  # pads the last byte with 0 bits
+
+
+def unpack_codes(packed: np.ndarray, m: int, bits: int) -> np.ndarray:
+    """The ``m`` codes (int8 values in ``[-2^(bits-1), 2^(bits-1) - 1]``) of :func:`pack_codes`'s
+    bytes (``ceil(m bits / 8)`` of them along the last axis)."""
+    m = check_int("m", m, minimum=0)
+    bits = _check_bits(bits)
+    packed = np.asarray(packed, dtype=np.uint8)
+    need = -(-m * bits // 8)
+    if packed.shape[-1] != need:
+        raise ValueError(
+            f"Argument 'packed' must hold ceil(m * {bits} / 8) = {need} bytes for m={m}, not {packed.shape[-1]}."
+        )
+    stream = np.unpackbits(packed, axis=-1, bitorder="little")[..., : m * bits]
+    fields = np.packbits(stream.reshape(*packed.shape[:-1], m, bits), axis=-1, bitorder="little")[..., 0]
+    half = np.int16(1 << (bits - 1))
+    return ((fields.astype(np.int16) ^ half) - half).astype(np.int8)
+
+
 def pack_int4(codes: np.ndarray) -> np.ndarray:
     """int4 codes (integers in ``[-8, 7]``, along the last axis, length ``m``) as the
     ``ceil(m / 2)`` bytes that travel: value ``2i`` in byte ``i``'s low nibble, ``2i + 1`` in its
-    high nibble, two's complement; an odd ``m`` pads the last high nibble with 0."""
-    codes = np.asarray(codes)
-    m = codes.shape[-1]
-    nibbles = np.zeros((*codes.shape[:-1], m + m % 2), dtype=np.uint8)
-    nibbles[..., :m] = codes.astype(np.int8).view(np.uint8) & np.uint8(0x0F)
-    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << np.uint8(4))).astype(np.uint8)
+    high nibble, two's complement; an odd ``m`` pads the last high nibble with 0.
+    ``pack_codes(codes, 4)``."""
+    return pack_codes(codes, 4)
 
 
 def unpack_int4(packed: np.ndarray, m: int) -> np.ndarray:
-    """The ``m`` int4 codes (int8 values in ``[-8, 7]``) of :func:`pack_int4`'s bytes."""
-    m = check_int("m", m, minimum=0)
-    packed = np.asarray(packed, dtype=np.uint8)
-    if packed.shape[-1] != -(-m // 2):
-        need = -(-m // 2)
-        raise ValueError(f"Argument 'packed' must hold ceil(m / 2) = {need} bytes for m={m}, not {packed.shape[-1]}.")
-    nibbles = np.stack([packed & np.uint8(0x0F), packed >> np.uint8(4)], axis=-1).reshape(*packed.shape[:-1], -1)
-    signed = nibbles.astype(np.int8)
-    signed = np.where(signed > 7, signed - 16, signed).astype(np.int8)
-    return signed[..., :m]
+    """The ``m`` int4 codes (int8 values in ``[-8, 7]``) of :func:`pack_int4`'s bytes:
+    ``unpack_codes(packed, m, 4)``."""
+    return unpack_codes(packed, m, 4)
 
 
 def code_bytes(codes: np.ndarray, fmt: BlockFormat | None = None) -> np.ndarray:
     """The bytes (uint8) that carry :func:`quantize`'s ``codes`` on the wire: the int8 codes'
-    two's complement bytes, the e4m3fn bit patterns, or int4 codes packed (:func:`pack_int4`).
-    A packet is the scales (in the scale dtype's bytes) followed by these."""
+    two's complement bytes, the e4m3fn bit patterns, or the int4, int3 and int2 codes packed
+    (:func:`pack_codes`). A packet is the scales (in the scale dtype's bytes) followed by these."""
     fmt = _as_format(fmt)
     codes = np.asarray(codes)
-    if fmt.wire == "int4":
-        return pack_int4(codes)
+    if fmt.code_bits < 8:
+        return pack_codes(codes, fmt.code_bits)
     return codes.astype(np.int8).view(np.uint8) if fmt.wire == "int8" else codes.astype(np.uint8)
 
 
@@ -272,8 +329,9 @@ def _padded_blocks(x: np.ndarray, fmt: BlockFormat) -> np.ndarray:
 def quantize(x: np.ndarray, fmt: BlockFormat | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Quantize float32 ``x`` along its last axis (length ``m``) to ``fmt``.
 
-    Returns ``(codes, scales)``: ``codes`` of ``x``'s shape (int8; for int4 the unpacked codes in
-    ``[-7, 7]``, :func:`code_bytes` packs them; or the uint8 bit patterns of float8_e4m3fn) and
+    Returns ``(codes, scales)``: ``codes`` of ``x``'s shape (int8; for int4, int3 and int2 the
+    unpacked codes in ``[-QMAX, QMAX]``, :func:`code_bytes` packs them; or the uint8 bit patterns
+    of float8_e4m3fn) and
     ``scales`` of shape ``(..., ceil(m / block))``, float32 values that the scale dtype represents
     exactly.
     """
@@ -296,7 +354,7 @@ def quantize(x: np.ndarray, fmt: BlockFormat | None = None) -> tuple[np.ndarray,
         q = np.clip(q, -qmax, qmax)
         q = np.where(usable[..., None], q, np.float32(0)).astype(np.float32)
     q = q.reshape(*x.shape[:-1], -1)[..., :m]
-    if fmt.wire in ("int8", "int4"):
+    if fmt.wire != "fp8":  # the integer wires
         codes = np.rint(q).astype(np.int8)
     else:
         codes = fp8_encode(q)
@@ -322,7 +380,7 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: BlockFormat | None, m
 
 
 def round_trip(x: np.ndarray, fmt: BlockFormat | None = None) -> np.ndarray:
-    """``dequantize(*quantize(x, fmt), fmt, m)``: what the receiver of ``x`` sees (the int4 codes'
+    """``dequantize(*quantize(x, fmt), fmt, m)``: what the receiver of ``x`` sees (the narrow codes'
     packing loses nothing: they are dequantized unpacked)."""
     x = np.asarray(x, dtype=np.float32)
     codes, scales = quantize(x, fmt)
@@ -330,7 +388,7 @@ def round_trip(x: np.ndarray, fmt: BlockFormat | None = None) -> np.ndarray:
 
 
 def ring_error_bound(world_size: int, fmt: BlockFormat | None = None, shape: str = "ring") -> float:
-    """The predicted worst-rank relative error of a block ring (int8, fp8, int4) on i.i.d. inputs,
+    """The predicted worst-rank relative error of a block ring (int8, fp8, int4, int3, int2) on i.i.d. inputs,
     relative to the root-sum-square of the ranks' inputs (the sum's norm for independent inputs);
     ``shape="direct"``: of the direct reduce-scatter (below).
 
@@ -361,6 +419,11 @@ def ring_error_bound(world_size: int, fmt: BlockFormat | None = None, shape: str
     ``N = 4, 8, 16`` and ``B = 32 .. 1024``: the simulated error is 0.8-0.9x the bound for int8,
     0.65-0.75x for fp8. Heavy-tailed inputs exceed the int8 bound (Student-t(3): 1.2x at ``B = 32``,
     2.6x at 1024), their blocks' absmax being further out (docs/protocol.md, "8-bit wires").
+    The same formula with ``QMAX = 3`` and 1 holds for int3 and int2 (their rounding is not
+    uniform within ``s/2``, most ternary codes being 0, but its variance stays near ``s^2 / 12``):
+    at their default blocks on Gaussian inputs at ``N = 4`` and 8 the simulated error is
+    0.85-0.9x the bound for int3 and 0.85x for int2, ring and direct shapes (0.8-0.85x direct);
+    Student-t(3) exceeds int3's by up to 1.16x (direct) as it does int4's.
 
     The direct shape (:func:`direct_round_trip`) rounds ``2N - 1`` inputs' worth instead of
     ``N (N + 1) / 2``: each of the ``N - 1`` other ranks' inputs once (the owner's own is summed

@@ -367,7 +367,8 @@ def quant_kernels(
     """The compiled block quantization (:class:`QuantKernels`) of ``wire`` (the codes' torch
     dtype, or the wire's name: ``"int8"``, ``"fp8"``, ``"int4"``), or None where the torch ops must
     run: not a CPU tensor, data other than float32, a wire, scale type or block size the kernels
-    do not take (int4 blocks must be even), or no compiled library (:func:`status`)."""
+    do not take (int4 blocks must be even; the 3- and 2-bit wires ``"int3"``, ``"int2"`` have no
+    kernels, :data:`QUANT_WIRES` does not list them), or no compiled library (:func:`status`)."""
     if device.type != "cpu" or data != torch.float32 or wire not in QUANT_WIRES or scale not in QUANT_SCALES:
         return None
     library = _load()

@@ -2,8 +2,9 @@
 
 The names are the route table's and the coding layer's: the float precisions of
 :data:`cerar.coding.precision.PRECISIONS` (``fp64``, ``fp32``, ``fp16``, ``bf16``) and the 8-bit
-block wires' codes (``int8``, ``fp8`` for float8 e4m3fn; :mod:`cerar.coding.blocks`). ``int4`` has
-no torch dtype (its codes travel packed, two a uint8), so it is not in the table. The coding layer
+block wires' codes (``int8``, ``fp8`` for float8 e4m3fn; :mod:`cerar.coding.blocks`). ``int4``,
+``int3`` and ``int2`` have no torch dtype (their codes travel packed in uint8 bytes), so they are not
+in the table. The coding layer
 stays torch-free; this is the lowest layer that may import torch, and every name <-> dtype map
 above it reads :data:`DTYPES` and :func:`dtype_name`.
 """

@@ -4,8 +4,9 @@ blocks (:func:`quant_pieces`). The ring itself is :func:`cerar.comm.algorithms.r
 with a :class:`cerar.comm.algorithms.ring.wires.BlockWire`.
 
 The compiled kernels (:func:`cerar.comm.algorithms.native.quant_kernels`) run for float32 on the
-CPU; elsewhere the torch ops of :mod:`cerar.comm.algorithms.ring.quantize`, which on CUDA queue their
-kernels without a host synchronisation inside the rounds.
+CPU on the int8, fp8 and int4 wires; elsewhere (int3 and int2 everywhere) the torch ops of
+:mod:`cerar.comm.algorithms.ring.quantize`, which on CUDA queue their kernels without a host
+synchronisation inside the rounds.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class TorchQuantOps:
 
 
 def quant_ops(fmt: BlockFormat, data: torch.dtype, device: torch.device) -> QuantOps:
-    """The compiled kernels where they apply (float32 on the CPU, ``CERAR_NATIVE`` not 0, a
-    compiler), else the torch ops."""
+    """The compiled kernels where they apply (float32 on the CPU, the int8, fp8 or int4 wire,
+    ``CERAR_NATIVE`` not 0, a compiler), else the torch ops."""
     compiled = native.quant_kernels(fmt.wire, fmt.scale, fmt.block, data, device)
     return compiled if compiled is not None else TorchQuantOps(fmt)
 
@@ -69,9 +70,10 @@ def quant_pieces(chunk: int, fmt: BlockFormat) -> list[tuple[int, int, int, int]
     """The pieces of a chunk of ``chunk`` values: ``(first value, end, packet offset, packet bytes)``,
     whole blocks each (the chunk's last block may be shorter), about 256 KiB of packet apiece
     (:func:`cerar.comm.runtime.engine.segments`), the packets ``_ALIGN``-aligned in a round's buffer.
-    Each piece is its own packet, its scales then its codes; an int4 block is even
-    (:class:`BlockFormat` refuses an odd one), so a piece's first value, a block's start, is a
-    whole byte into the chunk's codes and only the chunk's last piece can end on a pad nibble."""
+    Each piece is its own packet, its scales then its codes; a block of packed codes fills whole
+    bytes (:class:`BlockFormat` refuses an int4 block that is odd, an int3 one not a multiple of
+    8, an int2 one not a multiple of 4), so a piece's first value, a block's start, is a whole byte
+    into the chunk's codes and only the chunk's last piece can end on pad bits."""
     blocks = math.ceil(chunk / fmt.block)
     pieces, offset = [], 0
     for first, end in segments(blocks, fmt.code_bytes(fmt.block) + SCALE_ITEMSIZE[fmt.scale]):

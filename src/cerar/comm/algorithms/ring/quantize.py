@@ -1,23 +1,26 @@
-"""The block-quantized ring's quantization (int8, float8 e4m3fn, packed int4) as torch ops: CPU and
-CUDA alike, no host synchronisation.
+"""The block-quantized ring's quantization (int8, float8 e4m3fn, packed int4, int3 and int2) as torch
+ops: CPU and CUDA alike, no host synchronisation.
 
 The format (:class:`cerar.coding.blocks.BlockFormat`, whose numpy functions are the reference these
 ops match bit for bit): values in blocks of ``fmt.block`` (the last block of a piece may
 be shorter, as if zero padded). Per block, ``absmax = max|x|`` (float32), ``s = absmax / QMAX``
-(127 for int8, 448 for float8 e4m3fn, 7 for int4) in float32, rounded to the scale type ``fmt.scale``
-(``"fp32"``, ``"fp16"`` or ``"bf16"``, to nearest even) and used as that value; codes
-``q = x / s`` (a division), clamped to ``[-QMAX, QMAX]``, rounded half to even to int8 and int4
-or to nearest even to e4m3fn; a block whose ``s`` is 0 or not finite gets codes 0. Dequantized,
+(127 for int8, 448 for float8 e4m3fn, 7, 3, 1 for int4, int3, int2) in float32, rounded to the scale
+type ``fmt.scale`` (``"fp32"``, ``"fp16"`` or ``"bf16"``, to nearest even) and used as that value;
+codes ``q = x / s`` (a division), clamped to ``[-QMAX, QMAX]``, rounded half to even to the integer
+wires or to nearest even to e4m3fn; a block whose ``s`` is 0 or not finite gets codes 0. Dequantized,
 ``q * s``: a block with a NaN or Inf scale (a NaN or Inf among its values, or a magnitude beyond
 the scale type's range) is NaN, and an all-zero block is 0.
 
 A packet (a piece of a chunk on the wire) is one uint8 buffer: the ``nb`` scales, in the scale
-type's bytes, followed by the ``m`` codes, one byte each (e4m3fn as its bit pattern), or for int4
-two a byte (value ``2i`` in the low nibble, ``2i + 1`` in the high one, two's complement nibbles,
-an odd count's last high nibble 0; int4 blocks are even, so each block starts on a whole byte):
-Gloo sends it as bytes. :func:`packet_bytes` is its size. The int4 nibbles are packed and
-unpacked with integer tensor ops (``&``, ``|``, shifts, ``(n ^ 8) - 8`` for the sign), which run
-alike on every device.
+type's bytes, followed by the ``m`` codes, one byte each (e4m3fn as its bit pattern), or for the
+``b``-bit wires (int4, int3, int2) packed as a little-endian bit stream of ``b``-bit two's
+complement fields (:func:`cerar.coding.blocks.pack_codes`: int4 two a byte, value ``2i`` in the low
+nibble; int3 eight in three bytes; int2 four a byte), the last byte's unused bits 0; a block is a
+whole number of bytes of codes (:class:`BlockFormat` checks), so each block starts on a whole byte:
+Gloo sends it as bytes. :func:`packet_bytes` is its size. The narrow codes are packed and
+unpacked with integer tensor ops (``&``, ``|``, shifts, ``(f ^ h) - h`` for the sign, ``h = 2^(b-1)``)
+over groups of codes that fill whole bytes (2 int4 codes in a byte, 8 int3 codes in 3, 4 int2 codes
+in 1), which run alike on every device.
 
 The functions here work on any device: the block arithmetic is reshaped into ``(blocks, B)``
 tensors (the short last block as a second, one-row call), and nothing reads a value back to the
@@ -45,7 +48,7 @@ __all__ = [
 
 def wire_dtype(fmt: BlockFormat) -> torch.dtype:
     """The torch dtype of the packet's code bytes: ``torch.int8``, ``torch.float8_e4m3fn``, or
-    ``torch.uint8`` for int4 (two codes a byte)."""
+    ``torch.uint8`` for the packed int4, int3 and int2 codes."""
     if fmt.wire not in WIRES:
         raise ValueError(f"Argument 'wire' must be one of {sorted(WIRES)}, not {fmt.wire!r}.")
     # Codes narrower than a byte have no torch dtype: they travel packed, in uint8 bytes.
@@ -61,14 +64,14 @@ def scale_dtype(fmt: BlockFormat) -> torch.dtype:
 
 
 def qmax(fmt: BlockFormat) -> float:
-    """The largest code's magnitude: 127 (int8), 448 (float8 e4m3fn) or 7 (int4)."""
+    """The largest code's magnitude: 127 (int8), 448 (float8 e4m3fn), 7 (int4), 3 (int3) or 1 (int2)."""
     wire_dtype(fmt)  # the wire's name checked
     return QMAX[fmt.wire]
 
 
 def packet_bytes(values: int, fmt: BlockFormat) -> int:
     """The bytes of the packet of ``values`` values: ``ceil(values / B)`` scales, then the codes
-    (``values`` bytes, or ``ceil(values / 2)`` for int4)."""
+    (``values`` bytes, or ``ceil(values b / 8)`` packed, ``b`` bits a code)."""
     return math.ceil(values / fmt.block) * SCALE_ITEMSIZE[fmt.scale] + fmt.code_bytes(values)
 
 
@@ -92,34 +95,64 @@ def _scales(packet: torch.Tensor, values: int, fmt: BlockFormat) -> torch.Tensor
 
 
 def _codes(packet: torch.Tensor, values: int, fmt: BlockFormat) -> torch.Tensor:
-    """The packet's code bytes, as the wire's dtype (a view; int4: the packed uint8 bytes)."""
+    """The packet's code bytes, as the wire's dtype (a view; int4, int3, int2: the packed uint8 bytes)."""
     start = math.ceil(values / fmt.block) * SCALE_ITEMSIZE[fmt.scale]
     return packet[start : start + fmt.code_bytes(values)].view(wire_dtype(fmt))
 
 
-def _pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """The 1-d integral-valued float codes ``q`` (in ``[-7, 7]``) packed two a byte (uint8,
-    ``ceil(len / 2)``): the even value in the low nibble, the odd one in the high nibble, an odd
-    length padded with a 0 nibble."""
-    q = q.to(torch.int16)
-    if q.numel() % 2:
-        q = torch.cat([q, q.new_zeros(1)])
-    nibbles = (q & 0x0F).view(-1, 2)
-    return (nibbles[:, 0] | (nibbles[:, 1] << 4)).to(torch.uint8)
+def _group(bits: int) -> tuple[int, int, torch.dtype]:
+    """``(codes, bytes, word)`` of the fewest ``bits``-bit codes that fill whole bytes (``(2, 1)``
+    for int4, ``(8, 3)`` for int3, ``(4, 1)`` for int2) and the integer dtype that holds them."""
+    codes = 8 // math.gcd(bits, 8)
+    nbytes = codes * bits // 8
+    word = torch.int16 if nbytes == 1 else torch.int32 if nbytes <= 3 else torch.int64
+    return codes, nbytes, word
 
 
-def _unpack_int4(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """The first ``count`` codes of the packed uint8 bytes, as float32: each nibble ``n`` is the
-    two's complement value ``(n ^ 8) - 8``."""
-    b = packed.to(torch.int16)
-    codes = torch.stack([((b & 0x0F) ^ 8) - 8, ((b >> 4) ^ 8) - 8], dim=1).view(-1)
+def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The 1-d integral-valued float codes ``q`` (within ``bits``-bit two's complement) packed as
+    :func:`cerar.coding.blocks.pack_codes` packs them (uint8, ``ceil(len bits / 8)``): each group of
+    codes that fills whole bytes gathered into one integer word (code ``j`` of the group at bit
+    ``bits j``), the word cut into its bytes, low byte first; a length that does not fill its last
+    group padded with 0 codes, and the bytes past ``ceil(len bits / 8)`` dropped."""
+    count = q.numel()
+    per, nbytes, word = _group(bits)
+    fields = q.to(word) & ((1 << bits) - 1)
+    if count % per:
+        fields = torch.cat([fields, fields.new_zeros(per - count % per)])
+    fields = fields.view(-1, per)
+    packed = fields[:, 0]
+    for j in range(1, per):
+        packed = packed | (fields[:, j] << (bits * j))
+    if nbytes > 1:
+        packed = torch.stack([(packed >> (8 * k)) & 0xFF for k in range(nbytes)], dim=1).view(-1)
+    return packed[: -(-count * bits // 8)].to(torch.uint8)
+
+
+def _unpack_codes(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """The first ``count`` codes of the packed uint8 bytes, as float32: each group's bytes read as
+    one integer word (low byte first), field ``j`` at bit ``bits j``; a field ``f`` is the two's
+    complement value ``(f ^ h) - h``, ``h = 2^(bits - 1)``."""
+    per, nbytes, word = _group(bits)
+    b = packed.to(word)
+    if b.numel() % nbytes:
+        b = torch.cat([b, b.new_zeros(nbytes - b.numel() % nbytes)])
+    if nbytes > 1:
+        rows = b.view(-1, nbytes)
+        b = rows[:, 0]
+        for k in range(1, nbytes):
+            b = b | (rows[:, k] << (8 * k))
+    mask, half = (1 << bits) - 1, 1 << (bits - 1)
+    codes = torch.stack([(((b >> (bits * j)) & mask) ^ half) - half for j in range(per)], dim=1).view(-1)
     return codes[:count].float()
 
 
 def _code_values(codes: torch.Tensor, first: int, count: int, fmt: BlockFormat) -> torch.Tensor:
-    """The ``count`` codes from value ``first`` (a block's start: even for int4) as float32."""
-    if fmt.wire == "int4":
-        return _unpack_int4(codes[first // 2 : first // 2 + (count + 1) // 2], count)
+    """The ``count`` codes from value ``first`` (a block's start: a whole byte into packed codes) as float32."""
+    bits = fmt.code_bits
+    if bits < 8:
+        start = first * bits // 8
+        return _unpack_codes(codes[start : start + fmt.code_bytes(count)], count, bits)
     return codes[first : first + count].float()
 
 
@@ -150,8 +183,10 @@ def quantize_into(x: torch.Tensor, packet: torch.Tensor, fmt: BlockFormat) -> No
         q = torch.where(valid, q, torch.zeros((), dtype=q.dtype, device=q.device))
         if wire != torch.float8_e4m3fn:
             q = q.round_()
-        if fmt.wire == "int4":  # whole blocks are even: this part's codes start on a whole byte
-            codes[first // 2 : first // 2 + (blocks * width + 1) // 2].copy_(_pack_int4(q.view(-1)))
+        bits = fmt.code_bits
+        if bits < 8:  # a block is whole bytes of codes: this part's codes start on a whole byte
+            start = first * bits // 8
+            codes[start : start + fmt.code_bytes(blocks * width)].copy_(_pack_codes(q.view(-1), bits))
         else:
             codes[first : first + blocks * width].copy_(q.to(wire).view(torch.uint8).view(-1))
     packet[: nb * size].copy_(scales.view(torch.uint8))
