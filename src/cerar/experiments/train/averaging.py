@@ -86,10 +86,7 @@ class FlatAverager:
                 "ring": "cerar.ring_all_reduce (exact ring, cerar transport)",
                 "int8": "cerar.ring_all_reduce, int8 blocks (the 8-bit ring)",
                 "fp8": "cerar.ring_all_reduce, float8 e4m3 blocks (the 8-bit ring)",
-                "int4": "cerar.all_reduce(method='ring-int4'), int4 blocks (the 4-bit ring)",
-                "direct-int8": "cerar.all_reduce(method='direct-int8'), int8 blocks, the direct reduce-scatter",
-                "direct-int4": "cerar.all_reduce(method='direct-int4'), int4 blocks, the direct reduce-scatter",
-            }[self.method]
+            }.get(self.method, f"cerar.all_reduce(method={ROWS[self.method]!r}), block-quantized")
             if self.feedback is not None:
                 self.description += ", error feedback"
 

@@ -21,11 +21,11 @@ __all__ = [
 #: have their own hooks): the DDP hooks, the schedules' averages and the process groups.
 ROWS = {
     "allreduce": "exact", "fp16": "torch-fp16", "bf16": "torch-bf16", "ring": "ring", "int8": "ring-int8",
-    "fp8": "ring-fp8", "int4": "ring-int4", "cerar": "cerar", "direct-int8": "direct-int8",
-    "direct-int4": "direct-int4",
+    "fp8": "ring-fp8", "int4": "ring-int4", "int3": "ring-int3", "int2": "ring-int2", "cerar": "cerar",
+    **{f"direct-{wire}": f"direct-{wire}" for wire in ("int8", "int4", "int3", "int2")},
 }  # fmt: skip
 #: The methods whose all-reduce quantizes in blocks: they take error feedback (``+ef``).
-BLOCK_METHODS = ("int8", "fp8", "int4", "direct-int8", "direct-int4")
+BLOCK_METHODS = ("int8", "fp8", "int4", "int3", "int2", "direct-int8", "direct-int4", "direct-int3", "direct-int2")
 
 #: What :meth:`InstalledHook.counters` returns, in order.
 COUNTERS = (

@@ -15,8 +15,8 @@ method         hook                                                        bytes
                one thread (see :class:`_SerialHook`)
 ``ring``       :func:`cerar.comm.ddp.hooks.ring_hook` (exact ring, cerar transport)    measured
 ``int8``       the 8-bit ring (int8 blocks, row ``ring-int8``; ``fp8``: float8 e4m3;   measured
-               ``int4``: the 4-bit ring, row ``ring-int4``); ``direct-int8``,
-               ``direct-int4``: the direct reduce-scatter's rows; ``+ef`` after
+               ``int4``, ``int3``, ``int2``: the 4-, 3- and 2-bit rings); ``direct-int8``,
+               ``direct-int4``...: the direct reduce-scatter's rows; ``+ef`` after
                any of these (``int4+ef``, ``direct-int4+ef``): error feedback
 ``cerar``      :func:`cerar.comm.ddp.hooks.cerar_hook` with ``perturbed(N, c)``        measured
                (``cerar:c:fp16``/``:bf16``: 16-bit packets, ``optimized(N, c)``
@@ -325,8 +325,9 @@ HOOKS: dict[str, Hook] = {
         Hook("int8", "int8", _build_cerar_or_ring),
         Hook("fp8", "fp8", _build_cerar_or_ring),
         Hook("int4", "int4", _build_cerar_or_ring),
-        Hook("direct-int8", "direct-int8", _build_cerar_or_ring),
-        Hook("direct-int4", "direct-int4", _build_cerar_or_ring),
+        Hook("int3", "int3", _build_cerar_or_ring),
+        Hook("int2", "int2", _build_cerar_or_ring),
+        *(Hook(f"direct-{w}", f"direct-{w}", _build_cerar_or_ring) for w in ("int8", "int4", "int3", "int2")),
         Hook("cerar", "cerar[:c|:kN][:fp16|:bf16]", _build_cerar_or_ring, parameter="components", per_rank=True),
         Hook("auto", "auto[:max_error]", _build_auto, parameter="max_error"),
         Hook("hier-ring", "hier-ring", _build_hierarchical, hierarchical=True),
@@ -395,8 +396,9 @@ ROW_NAMES: dict[str, tuple[str | None, str | None]] = {
     "ring-int8": ("int8", "int8"),
     "ring-fp8": ("fp8", "fp8"),
     "ring-int4": ("int4", "int4"),
-    "direct-int8": ("direct-int8", "direct-int8"),
-    "direct-int4": ("direct-int4", "direct-int4"),
+    "ring-int3": ("int3", "int3"),
+    "ring-int2": ("int2", "int2"),
+    **{f"direct-{w}": (f"direct-{w}", f"direct-{w}") for w in ("int8", "int4", "int3", "int2")},
     "cerar": ("cerar", "cerar"),
     "cerar-fp16": ("cerar:fp16", "cerar:fp16"),
     "cerar-bf16": ("cerar:bf16", "cerar:bf16"),

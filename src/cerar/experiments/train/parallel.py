@@ -22,7 +22,7 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
-from cerar.experiments.train.installed import COUNTERS, HookSettings, InstalledHook, cerar_code
+from cerar.experiments.train.installed import BLOCK_METHODS, COUNTERS, HookSettings, InstalledHook, cerar_code
 from cerar.experiments.train.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ __all__ = ["GROUP_METHODS", "PARALLELS", "build_parallel", "check_parallel", "no
 
 #: The process-group ways of a run (``"ddp"``, the hook, is the default) and the methods they run.
 PARALLELS = ("group", "hsdp")
-GROUP_METHODS = ("allreduce", "ring", "fp16", "int8", "fp8", "int4", "direct-int8", "direct-int4", "cerar", "auto")
+GROUP_METHODS = ("allreduce", "ring", "fp16", "cerar", "auto", *BLOCK_METHODS)
 _NEVER = 2**62  # a min_bytes no tensor reaches: every all-reduce to the exact group
 
 
@@ -70,7 +70,7 @@ def group_settings(config: HookSettings, ranks: int) -> dict[str, Any]:
     common = {"min_bytes": min_bytes, "nonfinite": config.nonfinite}
     if config.method == "allreduce":
         return {"min_bytes": _NEVER}
-    if config.method in ("ring", "fp16", "int8", "fp8", "int4"):
+    if config.method in ("ring", "fp16", "int8", "fp8", "int4", "int3", "int2"):
         # No error budget: training measures its quality by the loss (the 4-bit ring predicts 0.19).
         row = "ring" if config.method == "ring" else f"ring-{config.method}"
         return {**common, "method": row, "max_error": None}

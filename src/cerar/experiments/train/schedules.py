@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cerar._checks import check_choice, check_float, check_int
+from cerar.experiments.train.installed import BLOCK_METHODS
 
 __all__ = [
     "AVERAGING_METHODS",
@@ -46,7 +47,7 @@ USAGE: dict[str, str] = {
 }
 SCHEDULES = tuple(USAGE)
 #: The methods ``localsgd`` and ``diloco`` average through (one whole-model message per sync).
-AVERAGING_METHODS = ("allreduce", "fp16", "bf16", "ring", "int8", "fp8", "int4", "direct-int8", "direct-int4", "cerar")
+AVERAGING_METHODS = ("allreduce", "fp16", "bf16", "ring", "cerar", *BLOCK_METHODS)
 #: DiLoCo's outer SGD (Douillard et al., 2023): learning rate 0.7, Nesterov momentum 0.9.
 DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
