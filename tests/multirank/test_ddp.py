@@ -307,6 +307,8 @@ def _state_slots(rank: int, world_size: int) -> dict[str, Any]:
     state.stats.bytes_sent = 1234
     state.last_step = CommStats(calls=4, bytes_sent=99)
     state.on_step = print  # runtime wiring: left out of the pickle
+    state.error_feedback = True
+    state.feedback_for(0, "64x16;64")  # a residual store: left out (state_dict() saves it)
     restored = pickle.loads(pickle.dumps(state))
     left_out = CerarState._NOT_PICKLED + CerarState._RESOLVED_AGAIN
     out["left_out"] = sorted(left_out)
@@ -314,6 +316,7 @@ def _state_slots(rank: int, world_size: int) -> dict[str, Any]:
     out["equal"] = {n: repr(getattr(restored, n)) == repr(getattr(state, n)) for n in names}
     out["groups"] = (restored.process_group, restored._comm_group, restored.world_size, restored.on_step)
     out["step_in_flight"] = (restored._open_buckets, restored._step_closing, restored._step == CommStats())
+    out["residuals"] = sorted(restored.residuals)
     return out
 
 
@@ -324,9 +327,11 @@ def test_state_has_slots_and_pickles_over_them() -> None:
         assert out["equal"] and all(out["equal"].values()), out["equal"]
         # Only what cannot (or need not) be pickled is left out, and it comes back fresh.
         groups, step, runtime = ["_comm_group", "process_group"], ["_open_buckets", "_step", "_step_closing"], ["_lock"]
-        assert out["left_out"] == sorted([*groups, *step, *runtime, "on_step", "world_size"])
+        # The error-feedback residuals hold locks: state_dict() saves them, a pickle starts afresh.
+        assert out["left_out"] == sorted([*groups, *step, *runtime, "on_step", "residuals", "world_size"])
         assert out["groups"] == (None, None, None, None)  # re-created on the first bucket
         assert out["step_in_flight"] == (0, False, True)
+        assert out["residuals"] == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ CERAR_ONLY: dict[str, list[Any]] = {
     "code": [{"x": 1}, 5, "abc"],
     "packet_dtype": ["int8", 5],
     "start_iter": [-1, None],
+    "error_feedback": [1, None, "yes"],
+    "residuals": [5, [1], {-1: {}}, {0: {"layout": 3, "identity": None, "residual": None}}],
 }
 AUTO_ONLY: dict[str, list[Any]] = {
     "max_error": [-1, "x", NAN],

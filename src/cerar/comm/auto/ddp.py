@@ -113,7 +113,7 @@ class AutoState(CerarState):
         min_bucket_bytes: int = 0,
         **settings: Any,
     ) -> None:
-        for name in ("code", "wire_dtype", "packet_dtype", "start_iter"):
+        for name in ("code", "wire_dtype", "packet_dtype", "start_iter", "error_feedback"):
             if name in settings:
                 raise TypeError(f"Argument {name!r} does not apply to AutoState (it chooses the method).")
         if auto is not None and not isinstance(auto, AutoConfig):

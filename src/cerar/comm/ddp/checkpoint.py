@@ -6,7 +6,8 @@ error-feedback residuals' float32 tensors (:class:`CerarState` adds those), so t
 ``torch.save(state.state_dict(), f)`` loads with ``torch.load(f, weights_only=True)`` (no pickled
 classes to trust). It is one rank's: the statistics are what that rank measured, so each rank
 saves and loads its own, and the saving rank's ``rank`` and ``world_size`` are kept to check it.
-Kept apart from :mod:`cerar.comm.ddp.hooks` so that the hooks read without the bookkeeping; no torch.
+Kept apart from :mod:`cerar.comm.ddp.hooks` so that the hooks read without the bookkeeping; torch
+is imported only where a residual or a dtype is read.
 """
 
 from __future__ import annotations
@@ -91,8 +92,10 @@ def to_state_dict(
     """The plain-valued ``state_dict`` of a state (read, not changed), saved by ``rank``:
     ``form`` and ``settings`` are its class's (:data:`STATE_DICT_FORMAT`, :data:`SETTINGS`)."""
     out: dict[str, Any] = {"format": form}
-    if form == STATE_DICT_FORMAT:  # CerarState's own: its code (auto's state has none)
+    if form == STATE_DICT_FORMAT:  # CerarState's own: its code and residuals (auto's state has neither)
         out["code"] = None if state.code is None else json.loads(state.code.to_json())
+        held = state.residuals.items()
+        out["residuals"] = {i: {"layout": layout, **store.state_dict()} for i, (layout, store) in held}
     out.update({name: save(getattr(state, name)) for name, (save, _) in settings.items()})
     out.update({
         "rank": rank,
@@ -117,10 +120,10 @@ def from_state_dict(
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"Argument 'state_dict' must be a mapping from state_dict(), not {type(state_dict).__name__}.")
     if form == STATE_DICT_FORMAT and state_dict.get("format") == PREVIOUS_FORMAT:  # before error feedback
-        state_dict = {**state_dict, "format": form, "error_feedback": False}
+        state_dict = {**state_dict, "format": form, "error_feedback": False, "residuals": {}}
     if state_dict.get("format") != form:
         raise ValueError(f"Key 'format' of the state_dict must be {form!r}, not {state_dict.get('format')!r}.")
-    keys = ["format", *(["code"] if form == STATE_DICT_FORMAT else []), *settings, *_RECORDS]
+    keys = ["format", *(["code", "residuals"] if form == STATE_DICT_FORMAT else []), *settings, *_RECORDS]
     missing = [k for k in keys if k not in state_dict]
     unexpected = sorted((k for k in state_dict if k not in keys), key=repr)
     if missing or unexpected:
@@ -143,6 +146,7 @@ def from_state_dict(
     parsers: dict[str, Callable[[Any], Any]] = {name: parse for name, (_, parse) in settings.items()}
     if "code" in keys:
         parsers["code"] = lambda v: _loaded_code(v, code)
+        parsers["residuals"] = _residuals
     parsers.update({
         "stats": _comm_stats,
         "last_step": lambda v: None if v is None else _comm_stats(v),
@@ -214,6 +218,45 @@ def _comm_stats(value: Any) -> CommStats:
         for name, v in value.items()
     }
     return CommStats(**checked)
+
+
+def _residuals(value: Any) -> dict[int, tuple[str, Any]]:
+    """The buckets' error-feedback stores, ``{index: (layout, ErrorFeedback)}``, from what
+    ``state_dict`` saved (``{index: {"layout", "identity", "residual"}}``), each entry checked: an
+    identity ``(method, values, ranks)`` and a 1-D float32 residual of the padded size
+    ``ranks * ceil(values / ranks)``, or neither."""
+    out = {}
+    for index, entry in _mapping(value).items():
+        try:
+            out[_index(index)] = _residual_entry(entry)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad entry {index!r}: {exc}") from None
+    return out
+
+
+def _residual_entry(entry: Any) -> tuple[str, Any]:
+    import torch
+
+    from cerar.comm.algorithms.ring.feedback import ErrorFeedback
+
+    entry = _mapping(entry)
+    if set(entry) != {"layout", "identity", "residual"}:
+        raise ValueError(f"expected the keys 'layout', 'identity' and 'residual', not {sorted(entry, key=repr)}")
+    layout, identity, residual = entry["layout"], entry["identity"], entry["residual"]
+    if not isinstance(layout, str):
+        raise TypeError(f"expected a layout string, not {layout!r}")
+    if identity is not None:
+        if not isinstance(identity, (tuple, list)) or len(identity) != 3 or not isinstance(identity[0], str):
+            raise ValueError(f"expected an identity (method, values, ranks), not {identity!r}")
+        values = check_int("values", identity[1], minimum=1)
+        ranks = check_int("ranks", identity[2], minimum=1)
+        assert values is not None and ranks is not None
+        padded = ranks * -(-values // ranks)
+        if isinstance(residual, torch.Tensor) and (residual.dim() != 1 or residual.numel() != padded):
+            raise ValueError(f"expected a residual of {padded} values, not of shape {tuple(residual.shape)}")
+    store = ErrorFeedback()
+    store.load_state_dict(dict(entry))  # both or neither, a float32 tensor
+    return layout, store
 
 
 def _loaded_code(saved: Any, current: Code | None) -> Code | None:

@@ -167,7 +167,8 @@ def _launch(state: CerarState, bucket: dist.GradBucket, route: Route) -> torch.f
             return torch_all_reduce(buffer, state.process_group, average=True, async_op=True), _averaged
         settings = route.applicable(state.call_settings())
         if state.error_feedback:  # the bucket's residual, new where its parameters changed
-            layout = ";".join("x".join(map(str, p.shape)) for p in bucket.parameters())
+            # A resumed run by another row, or DDP's rebuilt buckets, start a fresh residual.
+            layout = route.name + ":" + ";".join("x".join(map(str, p.shape)) for p in bucket.parameters())
             settings["error_feedback"] = state.feedback_for(bucket.index(), layout)
         work = start(route, buffer, "avg", group, True, stats=call, **settings)
         assert work is not None

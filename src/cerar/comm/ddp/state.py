@@ -264,11 +264,7 @@ class CerarState(ReplicaSync):
         group). See :mod:`cerar.comm.ddp.checkpoint`."""
         with self._lock:
             size = self.world_size or _size(self.process_group)
-            out = to_state_dict(self, _rank(self.process_group), size, self._FORMAT, self._SETTINGS)
-            if self._FORMAT == STATE_DICT_FORMAT:
-                held = self.residuals.items()
-                out["residuals"] = {i: {"layout": layout, **store.state_dict()} for i, (layout, store) in held}
-            return out
+            return to_state_dict(self, _rank(self.process_group), size, self._FORMAT, self._SETTINGS)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved, on the rank that saved it.
@@ -278,16 +274,10 @@ class CerarState(ReplicaSync):
         are taken from ``state_dict``. Errors name the bad key, and leave the state unchanged.
         """
         size = self.world_size or _size(self.process_group)
-        residuals: dict[int, tuple[str, ErrorFeedback]] = {}
-        if self._FORMAT == STATE_DICT_FORMAT and isinstance(state_dict, Mapping):
-            state_dict = dict(state_dict)
-            residuals = _loaded_residuals(state_dict.pop("residuals", {}))
         values = from_state_dict(state_dict, self.code, _rank(self.process_group), size, self._FORMAT, self._SETTINGS)
         with self._lock:
             for name, value in values.items():
                 setattr(self, name, value)
-            if self._FORMAT == STATE_DICT_FORMAT:
-                self.residuals = residuals
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the process groups, ``on_step`` and a step in flight (a subclass's own
@@ -353,12 +343,13 @@ class CerarState(ReplicaSync):
                 "max_error": self.max_error}  # fmt: skip
 
     def feedback_for(self, index: int, layout: str) -> ErrorFeedback:
-        """Bucket ``index``'s error-feedback store; a new one where the bucket's ``layout`` (its
-        parameters' shapes) changed, as when DDP rebuilds its buckets."""
-        held = self.residuals.get(index)
-        if held is None or held[0] != layout:
-            held = self.residuals[index] = (layout, ErrorFeedback())
-        return held[1]
+        """Bucket ``index``'s error-feedback store; a new one where the bucket's ``layout`` (the
+        row and its parameters' shapes) changed, as when DDP rebuilds its buckets."""
+        with self._lock:  # state_dict() may read the residuals from another thread
+            held = self.residuals.get(index)
+            if held is None or held[0] != layout:
+                held = self.residuals[index] = (layout, ErrorFeedback())
+            return held[1]
 
     @property
     def feedback_bytes(self) -> int:
@@ -422,23 +413,6 @@ class CerarState(ReplicaSync):
             f"divergence_tol={self.divergence_tol}, error_feedback={self.error_feedback}, "
             f"iteration={self.iteration}, resyncs={self.resyncs})"
         )
-
-
-def _loaded_residuals(saved: Any) -> dict[int, tuple[str, ErrorFeedback]]:
-    """The residuals a state_dict saved (``{index: {"layout", "identity", "residual"}}``)."""
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"Key 'residuals' of the state_dict must be a mapping, not {type(saved).__name__}.")
-    out = {}
-    for index, entry in saved.items():
-        if not isinstance(index, int) or not isinstance(entry, Mapping) or not isinstance(entry.get("layout"), str):
-            raise ValueError(f"Key 'residuals' of the state_dict holds a bad entry {index!r}: {entry!r:.200}.")
-        store = ErrorFeedback()
-        try:
-            store.load_state_dict(entry)
-        except ValueError as exc:
-            raise ValueError(f"Key 'residuals' of the state_dict holds a bad entry {index!r}: {exc}") from None
-        out[index] = (entry["layout"], store)
-    return out
 
 
 def _rank(process_group: dist.ProcessGroup | None) -> int | None:

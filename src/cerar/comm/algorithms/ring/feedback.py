@@ -93,9 +93,10 @@ class ErrorFeedback:
         self.identity, self.residual = None, None
 
     def state_dict(self) -> dict[str, Any]:
-        """The residual and its stream, for a checkpoint (a CPU copy)."""
-        residual = None if self.residual is None else self.residual.detach().cpu().clone()
-        return {"identity": self.identity, "residual": residual}
+        """The residual and its stream, for a checkpoint (a CPU copy; waits for a call in flight)."""
+        with self._lock:
+            residual = None if self.residual is None else self.residual.detach().cpu().clone()
+            return {"identity": self.identity, "residual": residual}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (the residual moves to the tensor's device on
