@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cerar.cli import main
+from cerar.coding.blocks import WIRES
 from cerar.experiments.study import frontier
 
 
@@ -54,7 +55,7 @@ def test_block_table_takes_the_wires() -> None:
     assert rows[0]["errors"]["gaussian"] < rows[1]["errors"]["gaussian"] < rows[1]["bound"]
     assert rows[0]["bytes_per_value"] == 1.5 * (0.5 + 2 / 8)
     with pytest.raises(ValueError, match="'wires'"):
-        frontier.block_table((4,), wires=("int2",))
+        frontier.block_table((4,), wires=("int1",))
 
 
 def test_block_tables_measure_each_wire_at_its_blocks() -> None:
@@ -66,7 +67,7 @@ def test_block_tables_measure_each_wire_at_its_blocks() -> None:
     assert len(rows) == 3 * (len(frontier.INT4_BLOCKS) + 2 * len(frontier.BLOCKS))  # every scale, each once
     assert {r["world_size"] for r in rows} == {4}  # quick: N = 4 only
     with pytest.raises(ValueError, match="'wires'"):
-        frontier.block_tables(("int2",))
+        frontier.block_tables(("int1",))
 
 
 def test_default_format_points_are_the_rows_rings() -> None:
@@ -76,8 +77,22 @@ def test_default_format_points_are_the_rows_rings() -> None:
         {"kind": "ring8", "wire": "int8", "block": 64, "scale": "bf16"},
         {"kind": "ring8", "wire": "int8", "block": 64, "scale": "fp32"},
         {"kind": "ring", "wire": "fp16"},
+        {"kind": "direct", "wire": "int4", "block": 32, "scale": "bf16"},
+        {"kind": "direct", "wire": "int8", "block": 32, "scale": "bf16"},
     ]
-    assert frontier.default_format_points(points) == [points[0], points[2]]
+    assert frontier.default_format_points(points) == [points[0], points[2], points[5]]
+
+
+def test_direct_error_is_the_direct_shapes() -> None:
+    from cerar.coding.blocks import BlockFormat, direct_round_trip, ring_error_bound
+
+    x = frontier.inputs("gaussian", 4, 8192, 0)
+    for wire in WIRES:
+        fmt = BlockFormat(wire)
+        error = frontier.direct_error(x, fmt)
+        exact = x.astype(np.float64).sum(axis=0)
+        assert error == np.linalg.norm(direct_round_trip(x, fmt) - exact) / np.linalg.norm(exact)
+        assert 0 < error < ring_error_bound(4, fmt, shape="direct"), wire
 
 
 def test_study_blocks_takes_the_wires(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,7 +109,7 @@ def test_study_blocks_takes_the_wires(tmp_path: Path, capsys: pytest.CaptureFixt
     assert {r["wire"] for r in json.loads((out / "blocks.json").read_text())["rows"]} == {"int4", "fp8"}
     assert main([*argv]) == 0  # the 8-bit wires by default
     assert json.loads((out / "blocks.json").read_text())["wires"] == ["int8", "fp8"]
-    assert main([*argv, "--wires", "int8,int2"]) == 2
+    assert main([*argv, "--wires", "int8,int1"]) == 2
     assert "Argument 'wires'" in capsys.readouterr().err
 
 
@@ -130,13 +145,21 @@ def test_study_quick_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureF
     assert {"points", "size", "seeds", "k_table", "cerar_block_format"} <= set(data)
     assert (out / "frontier.png").stat().st_size > 0
     kinds = {p["kind"] for p in data["points"]}
-    assert kinds == {"ring", "ring8", "ring4", "cerar", "cerar8", "narrow"}
+    assert kinds == {"ring", "ring8", "ring4", "direct", "cerar", "cerar8", "narrow"}
     for p in data["points"]:
         assert {"label", "world_size", "bytes_per_value", "error", "on_frontier"} <= set(p)
         assert p["world_size"] == 4
     assert any(p["on_frontier"] for p in data["points"])
     ring8 = [p for p in data["points"] if p["kind"] == "ring8"]
     assert all(p["error"] <= p["bound"] for p in ring8)
+    # the direct shape beside each block ring, at its format and bytes, with less error
+    rings = [p for p in data["points"] if p["kind"] in ("ring8", "ring4")]
+    direct = [p for p in data["points"] if p["kind"] == "direct"]
+    assert [(p["wire"], p["block"], p["scale"], p["bytes_per_value"]) for p in direct] == [
+        (p["wire"], p["block"], p["scale"], p["bytes_per_value"]) for p in rings
+    ]
+    assert {p["wire"] for p in direct} == set(WIRES)
+    assert all(d["error"] < r["error"] and d["error"] <= d["bound"] for d, r in zip(direct, rings, strict=True))
     cerar8 = [p for p in data["points"] if p["kind"] == "cerar8"]
     assert {p["components"] for p in cerar8} == {5, 6, 8, 12}
     blocks = json.loads((out / "blocks.json").read_text())
@@ -145,7 +168,8 @@ def test_study_quick_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureF
     # the int4 ring's points beside int8's, each at the format its row runs, printed and plotted
     printed = capsys.readouterr().out
     assert "ring int4 B=32 bf16" in printed and "ring int8 B=64 bf16" in printed
-    assert printed.count("(the row's format)") == 3  # int8, e4m3, int4
+    assert "direct int4 B=32 bf16" in printed and "direct int8 B=64 bf16" in printed
+    assert printed.count("(the row's format)") == 2 * len(WIRES)  # each block wire's ring and direct rows
 
 
 def test_study_frontier_refuses_bad_world_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

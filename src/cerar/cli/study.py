@@ -31,17 +31,31 @@ With ``--quick`` it trains a tiny model for 10 steps: a smoke test.
 ``--frontier`` draws bytes per value against worst-rank error (:mod:`cerar.experiments.study.frontier`)
 for ``--world-sizes`` (default 4, 8, 16) on i.i.d. Gaussian inputs of ``--values`` values per rank
 (default 65536, median of 3 seeds): the float32/float16/bfloat16 rings, the int8 and e4m3 rings at
-each block size, CERAR at ``c = N+1, 3N/2, 2N, 3N`` with float32/float16/bfloat16 packets and over
-8-bit packets, the Pareto frontier marked, and CERAR's ``wrap``, ``A`` and ``K`` table; it writes
-``frontier.json`` and ``frontier.png`` (a few minutes on two cores; ``--quick``: N = 4, seconds).
-It prints the Pareto frontier's points, CERAR's 8-bit ones, and the block rings as the route
-table runs them (int8 and e4m3 in blocks of 64, int4 in blocks of 32, bfloat16 scales) side by
-side; the plot marks the int4 ring's points "ring int4 (blocks)".
+each block size (int4 and the narrower block wires at 8-128), the direct shape of every block wire
+at the same formats (the ring's bytes), CERAR at ``c = N+1, 3N/2, 2N, 3N`` with
+float32/float16/bfloat16 packets and over 8-bit packets, the Pareto frontier marked, and CERAR's
+``wrap``, ``A`` and ``K`` table; it writes ``frontier.json`` and ``frontier.png`` (a few minutes on
+two cores; ``--quick``: N = 4, seconds). It prints the Pareto frontier's points, CERAR's 8-bit
+ones, and every block wire's ring and direct shape as the route table runs them (each wire's
+default block and bfloat16 scales: int8 and e4m3 in blocks of 64, int4 of 32) side by side,
+"(the row's format)"; the plot marks the rings of the wires narrower than 8 bits "ring int4/...
+(blocks)" and the direct shape's points as a series per wire, "direct int8 (blocks)"...
 ``--blocks`` writes ``blocks.json``, the block rings' block-size table for the wires of ``--wires``
 (default ``int8,fp8``; ``int8,fp8,int4`` adds the 4-bit ring's): every block size (32-1024 for
-the 8-bit wires, 8-128 for int4) and scale dtype at ``N = 4``, three block sizes around the
-wire's default at ``N = 8, 16``; three inputs; ``--values`` default 1048576, 3 seeds; ``--quick``:
-``N = 4`` only, seconds).
+the 8-bit wires, 8-128 for the narrower ones) and scale dtype at ``N = 4``, three block sizes
+around the wire's default at ``N = 8, 16``; three inputs; ``--values`` default 1048576, 3 seeds;
+``--quick``: ``N = 4`` only, seconds).
+
+``--feedback`` measures error feedback (:mod:`cerar.experiments.study.feedback`, the numpy
+reference of ``cerar.all_reduce(..., error_feedback=)``, bitwise the collective's): ``--world-size``
+ranks (default 4) each all-reduce one fixed gradient (Gaussian, and Student-t(3)) of ``--values``
+values (default 65536) ``--calls`` times (default 100), with and without error feedback, for the
+block wires of ``--wires`` (default: every one) in both shapes (``ring-<wire>``,
+``direct-<wire>``). It writes ``feedback.json`` (the running sum's relative error after each
+call, ``err(k) = ||sum_{i<=k} out_i - k S|| / (k ||S||)``) and ``feedback.png`` (``err(k)``
+against ``k``, log-log, solid with error feedback, dashed without), and prints per wire and shape
+``err(1)``, ``err(calls)`` without and with feedback and the fitted slope of ``log err`` against
+``log k`` from call 10 on (``--quick``: 4096 values, 20 calls).
 """
 
 from __future__ import annotations
@@ -78,19 +92,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="N = 4 only, small inputs: a smoke test in seconds")
     g = p.add_argument_group("real gradients (--gradients)")
     g.add_argument("--gradients", action="store_true", help="measure captured training gradients instead")
-    g.add_argument("--world-size", type=int, default=4, help="ranks of the capture run (default 4)")
+    g.add_argument("--world-size", type=int, default=4, help="ranks of the capture run and of --feedback (default 4)")
     g.add_argument("--steps", type=int, default=160, help="training updates (default 160)")
     g.add_argument("--capture-steps", type=int, nargs="+", default=None,
                    help="steps in [0, steps] to capture (default: 0, steps // 2, steps)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     g.add_argument("--capture", type=Path, default=None, help="reuse this saved capture (.npz): no training")
-    f = p.add_argument_group("block wires (--frontier, --blocks)")
+    f = p.add_argument_group("block wires (--frontier, --blocks, --feedback)")
     f.add_argument("--frontier", action="store_true", help="bytes per value against error: rings and CERAR")
     f.add_argument("--blocks", action="store_true", help="the block rings' block-size table (blocks.json)")
-    f.add_argument("--wires", nargs="+", default=["int8,fp8"], metavar="WIRE",
-                   help="--blocks: the block wires, comma or space separated, of int8, fp8, int4 (default int8,fp8)")
+    f.add_argument("--feedback", action="store_true",
+                   help="error feedback: the sum over --calls calls of one gradient, with and without (feedback.json)")
+    f.add_argument("--wires", nargs="+", default=None, metavar="WIRE",
+                   help="--blocks, --feedback: the block wires, comma or space separated "
+                   "(default int8,fp8 for --blocks, every block wire for --feedback)")
     f.add_argument("--values", type=int, default=None,
-                   help="values per rank (default 65536 for --frontier, 1048576 for --blocks)")
+                   help="values per rank (default 65536 for --frontier and --feedback, 1048576 for --blocks)")
+    f.add_argument("--calls", type=int, default=100, help="--feedback: calls of each stream (default 100)")
     f.add_argument("--seeds", type=int, default=3, help="seeds per measurement, median taken (default 3)")
     resources.add_override_flag(p)
 
@@ -105,8 +123,12 @@ def run(args: argparse.Namespace) -> int:
     check_int("seed", args.seed, minimum=0)  # numpy's own refusal names no argument
     # Before the work: the figures come last, a missing extra should not cost the study's time.
     require("matplotlib", "bench", needed_by="cerar study")
+    feedback = getattr(args, "feedback", False)
     if getattr(args, "frontier", False) or getattr(args, "blocks", False):
-        return _run_frontier(args)
+        code = _run_frontier(args)
+        return _run_feedback(args) if feedback and code == 0 else code
+    if feedback:
+        return _run_feedback(args)
     if getattr(args, "gradients", False):
         if args.capture is None:  # training the model to capture its gradients
             require("transformers", "train", needed_by="cerar study --gradients")
@@ -158,11 +180,16 @@ def _wires(given: list[str]) -> tuple[str, ...]:
     return names
 
 
+def _values(args: argparse.Namespace, default: int) -> int:
+    """``--values``, else ``default`` (4096 with ``--quick``): a given 0 is refused, not replaced."""
+    return (4096 if args.quick else default) if args.values is None else args.values
+
+
 def _run_frontier(args: argparse.Namespace) -> int:
     """``--frontier`` and/or ``--blocks``: the block wires' measurements, JSON (+ PNG)."""
     from cerar.experiments.study import frontier
 
-    wires = _wires(getattr(args, "wires", None) or ["int8,fp8"])
+    wires = _wires(getattr(args, "wires", None) or ["int8,fp8"])  # --blocks' default: the 8-bit wires
     seeds = 1 if args.quick else check_int("seeds", args.seeds, minimum=1)
     world_sizes = [4] if args.quick else list(args.world_sizes)
     for n in world_sizes:
@@ -171,7 +198,7 @@ def _run_frontier(args: argparse.Namespace) -> int:
     out = output_folder("out", args.out)
     started = time.perf_counter()
     if args.blocks:
-        values = check_int("values", args.values or (4096 if args.quick else 1 << 20), minimum=64)
+        values = check_int("values", _values(args, 1 << 20), minimum=64)
         largest = 4 if args.quick else 16
         resources.check_memory("values", values, FRONTIER_BYTES_PER_VALUE * largest * values,
                                f"block rings of N = {largest} at {values} values", allow=args.allow_oversubscribe)
@@ -182,7 +209,7 @@ def _run_frontier(args: argparse.Namespace) -> int:
             print(f"N={r['world_size']:>2} {r['wire']} B={r['block']:>4} {r['scale']}: "
                   f"{r['bytes_per_value']:.4f} B/value, {errors} (bound {r['bound']:.2e})")  # fmt: skip
     if args.frontier:
-        values = check_int("values", args.values or (4096 if args.quick else 1 << 16), minimum=64)
+        values = check_int("values", _values(args, 1 << 16), minimum=64)
         n = max(world_sizes)
         resources.check_memory("values", values, FRONTIER_BYTES_PER_VALUE * n * values,
                                f"simulations of N = {n} at {values} values", allow=args.allow_oversubscribe)
@@ -198,6 +225,36 @@ def _run_frontier(args: argparse.Namespace) -> int:
                       f"error {p['error']:.2e} {mark}".rstrip())  # fmt: skip
     elapsed = time.perf_counter() - started
     print(f"wrote {out} in {elapsed:.0f} s")
+    return 0
+
+
+#: Working memory (bytes) of the feedback study per value per rank (the inputs, residuals and a
+#: call's float32 temporaries, a running sum in float64), rounded up.
+FEEDBACK_BYTES_PER_VALUE = 128
+
+
+def _run_feedback(args: argparse.Namespace) -> int:
+    """``--feedback``: the running sum's error over many calls with and without error feedback,
+    JSON + PNG and the table."""
+    from cerar.coding.blocks import WIRES
+    from cerar.experiments.study import feedback
+
+    wires = _wires(args.wires) if getattr(args, "wires", None) else WIRES
+    n = check_int("world_size", getattr(args, "world_size", 4), minimum=2)
+    values = check_int("values", _values(args, 1 << 16), minimum=1)
+    calls = 20 if args.quick else check_int("calls", getattr(args, "calls", 100), minimum=2)
+    resources.check_memory("values", values, FEEDBACK_BYTES_PER_VALUE * n * values,
+                           f"{n} ranks' streams of {values} values", allow=args.allow_oversubscribe)  # fmt: skip
+    out = output_folder("out", args.out)
+    started = time.perf_counter()
+    result = feedback.feedback_study(n, values, calls, seed=args.seed, wires=wires)
+    _write(out / "feedback.json", result)
+    feedback.plot_feedback(result, out / "feedback.png")
+    print(f"N = {n}, {values} values per rank, one fixed gradient per rank, {calls} calls; relative error of the "
+          f"sum over k calls, err(k) = ||sum out - k S|| / (k ||S||):")  # fmt: skip
+    print(feedback.feedback_table(result))
+    elapsed = time.perf_counter() - started
+    print(f"wrote {out}/feedback.{{png,json}} in {elapsed:.0f} s")
     return 0
 
 

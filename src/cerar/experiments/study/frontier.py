@@ -9,9 +9,11 @@ error, median over seeds):
   was chosen from (the 8-bit wires by default, int4 with ``wires=("int4",), blocks=INT4_BLOCKS``);
   :func:`block_tables` is ``cerar study --blocks``'s, for the wires of ``--wires``;
 * :func:`frontier_study`: for each ``N``, the rings (float32, float16, bfloat16, int8 and e4m3 at
-  each block size, int4 at each of :data:`INT4_BLOCKS`) and CERAR at ``c = N+1, 3N/2, 2N, 3N``
-  with float32/float16/bfloat16 packets and over 8-bit packets, as points (bytes per value,
-  error) with the Pareto frontier marked; beside them, as references outside the frontier,
+  each block size, int4 and the narrower block wires at each of :data:`INT4_BLOCKS`), the direct
+  shape of every block wire at the same formats (:func:`cerar.coding.blocks.direct_round_trip`:
+  the ring's bytes, two roundings) and CERAR at ``c = N+1, 3N/2, 2N, 3N`` with
+  float32/float16/bfloat16 packets and over 8-bit packets, as points (bytes per value, error)
+  with the Pareto frontier marked; beside them, as references outside the frontier,
   hypothetical rings of packed 5-7-bit integer codes (the int8 format with a smaller ``QMAX``;
   cerar has no such wire) to judge CERAR's 8-bit points by what a narrower ring would give (the
   4-bit one is the real int4 wire, :func:`narrow_round_trip` at 4 bits being its round trip);
@@ -32,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from cerar.coding import codes
-from cerar.coding.blocks import WIRES, BlockFormat, ring_error_bound, round_trip
+from cerar.coding.blocks import WIRES, BlockFormat, direct_round_trip, ring_error_bound, round_trip
 from cerar.coding.linear_code import Code
 from cerar.coding.precision import ITEMSIZE, rounder
 from cerar.experiments._extras import pyplot
@@ -49,6 +51,7 @@ __all__ = [
     "block_tables",
     "cerar_8bit_designs",
     "default_format_points",
+    "direct_error",
     "frontier_study",
     "inputs",
     "k_table",
@@ -64,16 +67,21 @@ BLOCKS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
 INT4_BLOCKS: tuple[int, ...] = (8, 16, 32, 64, 128)
 #: The 8-bit wires: the block table's default wires and CERAR's coarse packets in the frontier.
 EIGHT_BIT_WIRES: tuple[str, ...] = ("int8", "fp8")
-#: The block sizes ``cerar study --blocks`` measures per wire at ``N = 4`` (every one)...
-TABLE_BLOCKS: dict[str, tuple[int, ...]] = {"int8": BLOCKS, "fp8": BLOCKS, "int4": INT4_BLOCKS}
+#: The block sizes ``cerar study --blocks`` measures per wire at ``N = 4`` (every one; the wires
+#: narrower than 8 bits at int4's)...
+TABLE_BLOCKS: dict[str, tuple[int, ...]] = {w: BLOCKS if w in EIGHT_BIT_WIRES else INT4_BLOCKS for w in WIRES}
 #: ... and at ``N = 8, 16`` (three around the wire's default block).
-LARGE_N_BLOCKS: dict[str, tuple[int, ...]] = {"int8": (32, 64, 256), "fp8": (32, 64, 256), "int4": (16, 32, 64)}
+LARGE_N_BLOCKS: dict[str, tuple[int, ...]] = {
+    w: (32, 64, 256) if w in EIGHT_BIT_WIRES else (16, 32, 64) for w in WIRES
+}
 #: The inputs of the block table.
 INPUTS: tuple[str, ...] = ("gaussian", "student-t3", "layers")
 #: The float packet and ring precisions of the frontier.
 FLOATS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 #: Spacings tried for the spread-seam perturbed code over 8-bit packets.
 DELTAS: tuple[float, ...] = (0.04, 0.07, 0.115, 0.19, 0.3)
+#: The plot's colours of the direct shape's series, one per block wire in :data:`WIRES`' order.
+DIRECT_COLORS: tuple[str, ...] = ("tab:purple", "tab:brown", "tab:cyan", "tab:pink", "tab:olive")
 #: Bits of the hypothetical packed integer rings (references only; 4 bits is the real int4 wire).
 NARROW_BITS: tuple[int, ...] = (5, 6, 7)
 
@@ -188,15 +196,24 @@ def block_tables(
 
 
 def default_format_points(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The frontier's block-wire rings at each wire's default format
-    (:class:`cerar.coding.blocks.BlockFormat`'s block and scale): the int8, e4m3 and int4 rings
-    as the route table's rows run them, to print side by side."""
+    """The frontier's block-wire rings and direct shapes at each wire's default format
+    (:class:`cerar.coding.blocks.BlockFormat`'s block and scale): ``ring-<wire>`` and
+    ``direct-<wire>`` of every block wire as the route table's rows run them, to print side by side."""
     defaults = {wire: BlockFormat(wire) for wire in WIRES}
     return [
         p for p in points
-        if p["kind"] in ("ring8", "ring4")
+        if p["kind"] in ("ring8", "ring4", "direct")
         and (p["block"], p["scale"]) == (defaults[p["wire"]].block, defaults[p["wire"]].scale)
     ]  # fmt: skip
+
+
+def direct_error(x: np.ndarray, fmt: BlockFormat) -> float:
+    """The direct shape's relative error on the ``(N, d)`` inputs ``x``
+    (:func:`cerar.coding.blocks.direct_round_trip`; every rank ends with the same values, so it
+    is the worst rank's too): ``||out - S|| / ||S||``, ``S`` the exact sum."""
+    exact = np.asarray(x, dtype=np.float64).sum(axis=0)
+    out = direct_round_trip(x, fmt).astype(np.float64)
+    return float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
 
 
 def _components(world_size: int) -> list[int]:
@@ -233,10 +250,12 @@ def frontier_study(
     int4_blocks: Sequence[int] = INT4_BLOCKS,
 ) -> dict[str, Any]:
     """Bytes per value against worst-rank error on i.i.d. Gaussian float32 inputs of ``size``
-    values per rank (median over ``seeds``) for every ring and CERAR design (see the module doc),
-    the Pareto frontier marked (``on_frontier``), and :func:`k_table` for the same ``N``. The 8-bit
-    rings run at ``blocks``, the int4 ring at ``int4_blocks`` (its coarser codes favour smaller
-    blocks).
+    values per rank (median over ``seeds``) for every ring, direct shape and CERAR design (see the
+    module doc), the Pareto frontier marked (``on_frontier``), and :func:`k_table` for the same
+    ``N``. The 8-bit rings run at ``blocks``, the int4 ring (and the narrower ones) at ``int4_blocks``
+    (coarser codes favour smaller blocks); each ring's point of a block wire (kind ``ring8``, ``ring4``) is
+    followed by the direct shape's at the same format (kind ``direct``, its predicted ``bound``
+    :func:`cerar.coding.blocks.ring_error_bound`'s ``shape="direct"``).
 
     The 8-bit CERAR designs are tuned on a separate seed (the best of :func:`cerar_8bit_designs`
     per ``c`` and wire), then measured on the same inputs as the rest."""
@@ -257,6 +276,11 @@ def frontier_study(
                     points.append(_point(kind, f"ring {wire} B={block} {scale}", n,
                                          ring_bytes_per_value(n, wire, fmt), errors, wire=wire, block=block,
                                          scale=scale, bound=ring_error_bound(n, fmt)))  # fmt: skip
+                    # the direct shape at the same format: the ring's bytes, two roundings
+                    points.append(_point("direct", f"direct {wire} B={block} {scale}", n,
+                                         ring_bytes_per_value(n, wire, fmt), [direct_error(x, fmt) for x in xs],
+                                         wire=wire, block=block, scale=scale,
+                                         bound=ring_error_bound(n, fmt, shape="direct")))  # fmt: skip
         for bits in NARROW_BITS:
             errors = [simulate_ring_rounded(x, lambda v, b=bits: narrow_round_trip(v, b)).worst_relative_error
                       for x in xs]  # fmt: skip
@@ -358,27 +382,35 @@ def k_table(
 
 
 def plot_frontier(study: dict[str, Any], path: Path) -> None:
-    """One panel per ``N``: worst-rank error (log) against bytes per value, every method, the
-    Pareto frontier joined."""
+    """One panel per ``N``: worst-rank error (log) against bytes per value, every method (the
+    direct shape a series per wire: "direct int8", "direct int4"...), the Pareto frontier joined;
+    labelled: the frontier's points (the direct shape's at its row's format only), CERAR's 8-bit
+    ones and each block row's format."""
     plt = pyplot("bench", needed_by="cerar study --frontier")
     world_sizes = sorted({p["world_size"] for p in study["points"]})
     fig, axes = plt.subplots(1, len(world_sizes), figsize=(5.5 * len(world_sizes), 4.6), squeeze=False)
     styles = {"ring": ("s", "black"), "ring8": ("o", "tab:blue"), "ring4": ("v", "tab:green"),
               "cerar": ("^", "tab:orange"), "cerar8": ("D", "tab:red"), "narrow": ("x", "grey")}  # fmt: skip
-    names = {"ring": "ring fp32/fp16/bf16", "ring8": "ring int8/e4m3 (blocks)", "ring4": "ring int4 (blocks)",
+    narrow = "/".join(w for w in WIRES if any(p["kind"] == "ring4" and p["wire"] == w for p in study["points"]))
+    names = {"ring": "ring fp32/fp16/bf16", "ring8": "ring int8/e4m3 (blocks)", "ring4": f"ring {narrow} (blocks)",
              "cerar": "CERAR fp32/fp16/bf16", "cerar8": "CERAR int8/e4m3 packets",
              "narrow": "ring int5-int7 (hypothetical)"}  # fmt: skip
+    direct_wires = [w for w in WIRES if any(p["kind"] == "direct" and p["wire"] == w for p in study["points"])]
+    for i, wire in enumerate(direct_wires):  # one series per wire, after the others
+        styles[f"direct {wire}"] = ("P*Xhp"[i % 5], DIRECT_COLORS[i % len(DIRECT_COLORS)])
+        names[f"direct {wire}"] = f"direct {wire} (blocks)"
     for ax, n in zip(axes[0], world_sizes, strict=True):
         mine = [p for p in study["points"] if p["world_size"] == n]
         for kind, (marker, color) in styles.items():
-            pts = [p for p in mine if p["kind"] == kind]
+            pts = [p for p in mine if (p["kind"] if p["kind"] != "direct" else f"direct {p['wire']}") == kind]
             if pts:
                 ax.semilogy([p["bytes_per_value"] for p in pts], [max(p["error"], 1e-12) for p in pts], marker,
                             color=color, alpha=0.7, linestyle="none", label=names[kind])  # fmt: skip
         front = sorted((p["bytes_per_value"], max(p["error"], 1e-12)) for p in mine if p["on_frontier"])
         ax.step(*zip(*front, strict=True), where="post", color="grey", alpha=0.6, label="Pareto frontier")
-        for p in mine:
-            if p["on_frontier"] or p["kind"] == "cerar8":
+        shown = {id(p) for p in default_format_points(mine)}
+        for p in mine:  # the direct shape's frontier points by their series, labelled at the row's format only
+            if (p["on_frontier"] and p["kind"] != "direct") or p["kind"] == "cerar8" or id(p) in shown:
                 ax.annotate(p["label"].replace("CERAR ", "").replace("ring ", ""), (p["bytes_per_value"], p["error"]),
                             fontsize=5, alpha=0.8)  # fmt: skip
         ax.set(title=f"N = {n}", xlabel="bytes sent per value per rank", ylabel="worst-rank relative error")
