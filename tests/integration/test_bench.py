@@ -325,22 +325,24 @@ def test_config_defaults_and_cases() -> None:
     config = BenchConfig(world_size=4, sizes_bytes=(4 * MiB, MiB, MiB))
     assert config.components == (8,) and config.sizes_bytes == (MiB, 4 * MiB)
     cases = build_cases(config)
-    assert [c["size_bytes"] for c in cases] == [MiB] * 8 + [4 * MiB] * 8  # sorted by size
-    assert [(c["method"], c["components"]) for c in cases[:8]] == [
+    assert [c["size_bytes"] for c in cases] == [MiB] * 10 + [4 * MiB] * 10  # sorted by size
+    assert [(c["method"], c["components"]) for c in cases[:10]] == [
         ("builtin", None),
         ("ring-fp16", None),
         ("ring-bf16", None),
         ("ring-int8", None),
+        ("direct-int8", None),
         ("ring-int4", None),
+        ("direct-int4", None),
         ("cerar", 8),
         ("cerar-fp16", 8),
         ("auto", None),
     ]
-    assert cases[5]["code"]["world_size"] == 4 and cases[5]["code_params"]["delta"] > 0
-    assert cases[7]["max_error"] == config.auto_max_error  # auto's budget travels with its case
-    assert all("max_error" not in c for c in cases[:7])  # the others are measured, with no budget
+    assert cases[7]["code"]["world_size"] == 4 and cases[7]["code_params"]["delta"] > 0
+    assert cases[9]["max_error"] == config.auto_max_error  # auto's budget travels with its case
+    assert all("max_error" not in c for c in cases[:9])  # the others are measured, with no budget
     # the code travels to the ranks as JSON and must come back identical
-    assert Code.from_dict(json.loads(json.dumps(cases[5]["code"]))) == make_code(4, 8, "perturbed")
+    assert Code.from_dict(json.loads(json.dumps(cases[7]["code"]))) == make_code(4, 8, "perturbed")
 
 
 def _args(*argv: str) -> Any:
@@ -435,7 +437,9 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
             ("ring-fp16", None),
             ("ring-bf16", None),
             ("ring-int8", None),
+            ("direct-int8", None),
             ("ring-int4", None),
+            ("direct-int4", None),
             ("cerar", 4),
             ("cerar-fp16", 4),
             ("auto", None),
@@ -446,14 +450,15 @@ def test_quick_fast_smoke(tmp_path: Path) -> None:
         assert r["time_min_s"] <= r["time_median_s"] <= r["time_max_s"]
         # Two ranks decode exactly whatever c is: float32 rounding only, or a 16-bit wire's.
         wire = {"ring-fp16": 2.0**-11, "ring-bf16": 2.0**-8, "ring-int8": 2.0**-7, "ring-int4": 2.0**-3,
-                "cerar-fp16": 2.0**-11}  # fmt: skip
+                "direct-int8": 2.0**-7, "direct-int4": 2.0**-3, "cerar-fp16": 2.0**-11}  # fmt: skip
         wire = wire.get(r["method"], 2.0**-24)
         assert r["predicted_s"] is not None  # the cost model's, beside the measured time
         if r["method"] == "auto":  # at N = 2: no CERAR candidate (every c decodes exactly, as the ring)
             assert r["auto"]["method"] in ("exact", "fp16", "int8") and r["auto"]["calibration_calls"] > 0
             wire = 2.0**-7 if r["auto"]["method"] == "int8" else 2.0**-11
         assert r["worst_rel_error"] < 4 * wire, (r["method"], r["components"], r["worst_rel_error"])
-        if r["method"] in ("ring-fp16", "ring-bf16", "ring-int8", "ring-int4"):  # the codec against its limit
+        lossy = ("ring-fp16", "ring-bf16", "ring-int8", "ring-int4", "direct-int8", "direct-int4")
+        if r["method"] in lossy:  # the codec against its limit
             assert r["encode_s"] > 0 and r["decode_s"] > 0 and r["coding_limit_ratio"] > 0, r["method"]
     assert (tmp_path / "out" / "bench.json").exists()
     assert (tmp_path / "out" / "time_vs_size.png").stat().st_size > 0

@@ -120,8 +120,8 @@ def test_parse_method() -> None:
     assert parse_method("cerar:2N:bf16", 4) == ("cerar", {"components": 8, "packet": "bf16"})
     assert TrainConfig(method="cerar", components=8, packet="fp16").label == "cerar-c8-fp16-s0"
     assert set(HOOKS) == {
-        "allreduce", "ring", "int8", "fp8", "int4", "cerar", "auto", "hier-ring", "hier-cerar", "fp16", "bf16",
-        "powersgd",
+        "allreduce", "ring", "int8", "fp8", "int4", "int3", "int2", "cerar", "auto", "hier-ring", "hier-cerar",
+        "fp16", "bf16", "powersgd", "direct-int8", "direct-int4", "direct-int3", "direct-int2",
     }  # fmt: skip
     assert parse_method("int8", 4) == ("int8", {})
     assert parse_method("hier-cerar:2N", 2) == ("hier-cerar", {"components": 4})  # N: the nodes (the caller passes M)

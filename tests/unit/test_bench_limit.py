@@ -1,5 +1,5 @@
 """cerar bench's rows and its coding limit (cerar.experiments.bench.limit, .schema, .report): the
-4-bit ring among the defaults, every row but auto called without an error budget, and the
+4-bit ring and the direct rows among the defaults, every row but auto called without an error budget, and the
 "x limit" column for the lossy rings' codecs, whose time the ring program records on the CPU."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from cerar.experiments.bench.schema import add_ratios, make_record, validate_doc
 MiB = 1 << 20
 
 
-def test_the_bench_times_the_int4_ring_beside_int8() -> None:
-    assert DEFAULT_METHODS.index("ring-int4") == DEFAULT_METHODS.index("ring-int8") + 1
-    assert "ring-int4" in BenchConfig().methods
+def test_the_bench_times_the_int4_ring_and_the_direct_rows_beside_int8() -> None:
+    order = [DEFAULT_METHODS.index(m) for m in ("ring-int8", "direct-int8", "ring-int4", "direct-int4")]
+    assert order == sorted(order) and order[-1] - order[0] == 3
+    assert {"ring-int4", "direct-int4"} <= set(BenchConfig().methods)
     assert get_method("ring-int4").wire_bytes_per_value == 0.5625  # 4-bit codes, a bfloat16 scale per 32
 
 
@@ -64,6 +65,8 @@ def test_the_lossy_rings_codecs_have_a_limit() -> None:
     assert coding_bytes_per_value(get_method("ring-fp8"), 4, None) == 8 + (1 + 2 / 64) * 2.5
     assert coding_bytes_per_value(get_method("ring-fp16"), 4, None) == 8 + 2 * 2.5
     assert coding_bytes_per_value(get_method("ring-bf16"), 8, None) == 8 + 2 * (3 - 2 / 8)
+    # the direct shape: 4 (4 - 2/N) + w (3 - 1/N) (its own count, in the limit's module doc)
+    assert coding_bytes_per_value(get_method("direct-int4"), 4, None) == 4 * 3.5 + 0.5625 * 2.75
     # a hierarchical ring: its ring of M = 2 nodes (on each rank's shard: the record's values)
     assert coding_bytes_per_value(get_method("hier-ring-int4"), 4, None, ranks_per_node=2) == 8 + 0.5625 * 2
     for exact in ("builtin", "ring", "hier-ring", "torch-fp16", "auto"):  # no codec the limit counts

@@ -19,7 +19,8 @@ from cerar.experiments.train.tuning import family_rows, format_families
 METHOD_SPECS = {
     "allreduce": "allreduce", "ring": "ring", "cerar": "cerar:8:fp16", "hier-ring": "hier-ring",
     "hier-cerar": "hier-cerar:2N", "fp16": "fp16", "bf16": "bf16", "powersgd": "powersgd:2", "auto": "auto:1e-3",
-    "int8": "int8", "fp8": "fp8", "int4": "int4",
+    "int8": "int8", "fp8": "fp8", "int4": "int4", "int3": "int3", "int2": "int2",
+    **{f"direct-{w}": f"direct-{w}" for w in ("int8", "int4", "int3", "int2")},
 }  # fmt: skip
 
 
@@ -86,7 +87,8 @@ def test_a_hierarchical_method_under_accum_counts_its_nodes() -> None:
         ("diloco:10:lr-1", "must give diloco's outer learning rate as a positive number"),
         ("diloco:10:lrnan", "must give diloco's outer learning rate as a positive number"),
         ("diloco:10:powersgd", "Argument 'method' of diloco must average through one of allreduce, fp16, bf16, ring, "
-         "int8, fp8, int4, cerar, not 'powersgd' (in 'diloco:10:powersgd')."),
+         "cerar, int8, fp8, int4, int3, int2, direct-int8, direct-int4, direct-int3, direct-int2, not 'powersgd' "
+         "(in 'diloco:10:powersgd')."),
         ("localsgd:5:hier-ring", "Argument 'method' of localsgd must average through one of"),
         ("accum:4:accum:2", "Argument 'method' must not nest schedules, not 'accum:4:accum:2'."),
         ("accum:4:cerar:x", "Argument 'method' must look like 'cerar:8', 'cerar:3N' or 'powersgd:2', not 'cerar:x' "
@@ -110,7 +112,8 @@ def test_bad_specs_name_the_spec(spec: str, message: str) -> None:
          "only, not 3."),
         ({"method": "allreduce", "schedule": "diloco", "period": 0}, "Argument 'period' must be at least 1, not 0."),
         ({"method": "powersgd", "schedule": "diloco", "period": 2}, "Argument 'method' of diloco must average "
-         "through one of allreduce, fp16, bf16, ring, int8, fp8, int4, cerar, not 'powersgd'."),
+         "through one of allreduce, fp16, bf16, ring, cerar, int8, fp8, int4, int3, int2, direct-int8, direct-int4, "
+         "direct-int3, direct-int2, not 'powersgd'."),
         ({"method": "cerar", "schedule": "localsgd", "period": 2, "resync_every": 5}, "Argument 'resync_every' "
          "applies to the DDP hooks, not to localsgd's averaging (give divergence_tol instead), not 5."),
         ({"method": "allreduce", "schedule": "swap", "period": 2}, "Argument 'schedule' must be one of 'accum', "
