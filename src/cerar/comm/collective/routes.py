@@ -19,10 +19,11 @@ row             one call                                               identical
                 float32 sums (``ring-bf16``: bfloat16)
 ``ring-int8``   the ring sending int8 in blocks with one scale each,    yes        ``2(N-1)/N``, 1 byte +
                 requantized at every hop (``ring-fp8``: float8 e4m3;              the block's scale
-                ``ring-int4``: 4-bit codes two a byte)                            (int4: half a byte)
+                ``ring-int4``: 4-bit codes two a byte; ``ring-int3``,             (int4: half a byte)
+                ``ring-int2``: 3 and 2 bits)
 ``direct-int8`` each rank's chunk straight to its owner, quantized once, yes        as ``ring-int8``
                 the owner's float32 sum quantized once, to every rank
-                (``direct-fp8``, ``direct-int4``)
+                (``direct-fp8``, ``direct-int4``, ``direct-int3``...)
 ``cerar``       CERAR, float32 (float64) packets                       no         ``1 + (N-2)/c``
 ``cerar-fp16``  CERAR, float16 packets (``cerar-bf16``: bfloat16)      no         ``1 + (N-2)/c``, 2 bytes
 ``hier-ring``   exact inside each node, the ring between the M nodes   yes, exact ``2(M-1)/M`` between
@@ -35,9 +36,9 @@ row             one call                                               identical
 float32 rounding. The predicted errors: a ring whose wire rounds to within ``u`` of each value
 sent (a partial sum of ``k`` of the ``N`` inputs at hop ``k``, and the whole sum once more for the
 all-gather) errs by at most ``u sqrt((N+1)/2)`` relative, for i.i.d. inputs; the block rings
-(int8, fp8, int4) by :func:`cerar.coding.blocks.ring_error_bound`, relative to the root-sum-square
-of the ranks' inputs (the sum's norm for independent inputs; where inputs cancel, the sum is
-smaller and the error relative to it larger); CERAR by its code's
+(int8, fp8, int4, int3, int2; ring and direct shapes) by :func:`cerar.coding.blocks.ring_error_bound`,
+relative to the root-sum-square of the ranks' inputs (the sum's norm for independent inputs;
+where inputs cancel, the sum is smaller and the error relative to it larger); CERAR by its code's
 :meth:`cerar.Code.predicted_worst_error` at the packet precision. No row's start imports above
 this layer.
 """
@@ -78,7 +79,8 @@ __all__ = ["ROUTES", "Call", "Request", "Route", "Settings", "get_route", "regis
 #: Bytes per value of each wire (the block wires with their blocks' scales).
 WIRE_BYTES = {"fp64": 8.0, "fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 WIRE_BYTES.update({name: w.fmt.bytes_per_value for name, w in WIRES.items() if isinstance(w, BlockWire)})
-#: The block wires' names (int8, fp8, int4...), each a ``ring-`` and a ``hier-ring-`` row.
+#: The block wires' names (int8, fp8, int4, int3, int2), each a ``ring-``, a ``direct-`` and a
+#: ``hier-ring-`` row (the 3- and 2-bit ones did not train like allreduce: docs/results.md).
 BLOCK_WIRES = tuple(name for name, w in WIRES.items() if isinstance(w, BlockWire))
 
 

@@ -16,7 +16,7 @@ The wires (:data:`WIRES`, by the name the route table uses):
 * :class:`FloatWire` ``"fp32"``/``"fp64"``: the data as it is (exact up to the sums' rounding);
   ``"fp16"``/``"bf16"``: a cast, the sums in the data's dtype, a power-of-two scale agreed
   before the rounds keeping them in the wire's range (:func:`cerar.coding.scaling.ring_scale_exponent`);
-* :class:`BlockWire` ``"int8"``, ``"fp8"``, ``"int4"``: block quantization
+* :class:`BlockWire` ``"int8"``, ``"fp8"``, ``"int4"``, ``"int3"``, ``"int2"``: block quantization
   (:mod:`cerar.coding.blocks`; compiled kernels for float32 on the CPU, else torch ops), the data
   pre-scaled by a power of two only where its range needs it
   (:func:`cerar.coding.scaling.block_scale_exponent`).
