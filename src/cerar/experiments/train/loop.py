@@ -104,7 +104,20 @@ def train(config: TrainConfig, progress: Progress | None = None, split: Split | 
         "train_time_s": train_time,
         "skipped_steps": sum(1 for s in steps if not s["finite"]),
         "counters": hook.counters(),
+        "memory": _memory(hook),
     }
+
+
+def _memory(hook: Any) -> dict[str, int]:
+    """This rank's peak resident memory (the process's, ``ru_maxrss``) and what error feedback's
+    residuals hold (the DDP state's, or a schedule's averager's)."""
+    import resource
+
+    state, averager = getattr(hook, "state", None), getattr(getattr(hook, "sync", None), "averager", None)
+    feedback = getattr(state, "feedback_bytes", 0)
+    store = getattr(averager, "feedback", None)
+    feedback += store.nbytes if store is not None else 0
+    return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "feedback_bytes": feedback}
 
 
 def _step(

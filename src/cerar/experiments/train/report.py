@@ -98,6 +98,8 @@ class RunSummary:
     sync_s: float
     averages: int
     post_sync_divergence: float | None
+    peak_rss_bytes: int | None = None  # the largest rank's peak resident memory
+    feedback_bytes: int = 0  # error feedback's residuals on the rank holding most
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,6 +181,8 @@ def summarize_run(run: dict[str, Any], target: float | None) -> RunSummary:
         sync_s=sync_s,
         averages=len(averages),
         post_sync_divergence=max((a["divergence"] for a in averages), default=None),
+        peak_rss_bytes=max((r["memory"]["peak_rss_bytes"] for r in ranks if "memory" in r), default=None),
+        feedback_bytes=max((r["memory"]["feedback_bytes"] for r in ranks if "memory" in r), default=0),
     )
 
 
@@ -332,6 +336,14 @@ def format_table(
                 f"replica divergence right after each of {s.label}'s {s.averages} averages: at most "
                 f"{fmt(s.post_sync_divergence, '.2e')}"
             )
+    for s in summaries:
+        if s.peak_rss_bytes:
+            held = ""
+            if s.feedback_bytes:
+                per_parameter = s.feedback_bytes / s.parameters
+                held = f"; error feedback's residuals {s.feedback_bytes / 1e6:.2f} MB ({per_parameter:.2f} B/parameter)"
+            peak = s.peak_rss_bytes / 2**20
+            notes.append(f"memory of {s.label}: peak resident {peak:.0f} MiB per rank (largest){held}")
     if comparisons:
         notes += [
             "",
