@@ -331,15 +331,15 @@ def test_train_alias_table_names_rows_of_the_route_table() -> None:
             assert ROWS[hooked] == row, (row, hooked)
 
 
-def test_train_defaults_include_the_int8_ring() -> None:
+def test_train_defaults_include_the_int8_ring_and_the_4_bit_direct_shape() -> None:
     from cerar.experiments.train.campaign import DEFAULT_METHODS
 
-    assert "ring-int8" in DEFAULT_METHODS
+    assert "ring-int8" in DEFAULT_METHODS and "direct-int4" in DEFAULT_METHODS
     labels = [c.label for c in _train_runs()]
     assert labels == ["allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "int8-s0",
-                      "powersgd-r4-s0"]  # fmt: skip
+                      "direct-int4-s0", "powersgd-r4-s0"]  # fmt: skip
     assert labels == [c.label for c in _train_runs("--methods", "allreduce", "cerar:2N", "cerar:3N", "fp16", "int8",
-                                                   "powersgd")]  # fmt: skip
+                                                   "direct-int4", "powersgd")]  # fmt: skip
 
 
 def test_bench_takes_the_rows_and_their_aliases_alike() -> None:

@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_METHODS", "Campaign", "run_all", "run_campaign", "run_label", "summarize", "target_rule"]
 
 #: ``cerar train``'s methods unless ``--methods`` is given: the exact baseline, CERAR at two
-#: ``c``, torch's fp16 hook, the int8 ring (the method for slow links) and PowerSGD.
-DEFAULT_METHODS = ("exact", "cerar:2N", "cerar:3N", "torch-fp16", "ring-int8", "powersgd")
+#: ``c``, torch's fp16 hook, the int8 ring and the 4-bit direct shape (the methods for slow
+#: links) and PowerSGD.
+DEFAULT_METHODS = ("exact", "cerar:2N", "cerar:3N", "torch-fp16", "ring-int8", "direct-int4", "powersgd")
 
 
 @dataclass(frozen=True)

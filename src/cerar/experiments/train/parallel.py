@@ -51,7 +51,8 @@ def check_parallel(config: Any) -> None:
     if getattr(config, "error_feedback", False):
         raise ValueError(
             f"Argument 'error_feedback' (+ef) is not offered under {config.parallel}: cerar's process group has no "
-            f"error feedback (it did not lower the loss in training, docs/results.md), not {config.method}+ef."
+            f"error feedback (its effect on the loss stayed inside allreduce's seed spread, docs/results.md), "
+            f"not {config.method}+ef."
         )
 
 
