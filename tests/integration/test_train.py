@@ -317,7 +317,8 @@ def test_plan_rejects_repeated_runs() -> None:
     args = build_parser(only="train").parse_args(["train", "-N", "4"])
     labels = [c.label for c in plan_runs(args)]
     assert labels == [
-        "allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "int8-s0", "powersgd-r4-s0",
+        "allreduce-s0", "allreduce-s1", "cerar-c8-s0", "cerar-c12-s0", "fp16-s0", "int8-s0", "direct-int4-s0",
+        "powersgd-r4-s0",
     ]  # fmt: skip
     args = build_parser(only="train").parse_args(["train", "--methods", "exact", "allreduce", "-N", "4"])
     with pytest.raises(ValueError, match=r"Argument 'methods' must not repeat a run, not \['allreduce-s0', "):
