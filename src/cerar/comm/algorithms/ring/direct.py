@@ -24,7 +24,7 @@ import torch
 
 from cerar.comm.algorithms.cerar.decode import scale_by_power_of_two
 from cerar.comm.algorithms.ring.feedback import check_residual, feedback_encode
-from cerar.comm.algorithms.ring.program import CodecClock
+from cerar.comm.algorithms.ring.program import CodecClock, finish
 from cerar.comm.algorithms.ring.wires import Codec, Span, Wire
 from cerar.comm.algorithms.workspace import WORKSPACE
 from cerar.comm.runtime.links import Ring, pair_poster, wait_for
@@ -109,16 +109,7 @@ def run_direct(
     stats.bytes_sent += 2 * (n - 1) * per_message
     stats.bytes_received += 2 * (n - 1) * per_message
     stats.rounds += 2
-    if clock is not None:
-        clock.add_to(stats)
-    scale_by_power_of_two(padded, scale_exponent)
-    if residual is not None:
-        scale_by_power_of_two(residual, scale_exponent)
-    if padded is not flat:
-        flat.copy_(padded[:d])
-    extra = WORKSPACE.held_bytes + (0 if residual is None else residual.numel() * residual.element_size())
-    stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
-    return flat
+    return finish(flat, padded, residual, scale_exponent, stats, clock)
 
 
 class _Whole:

@@ -39,7 +39,7 @@ from cerar.comm.runtime.engine import Action, Piece, Program, run_program
 from cerar.comm.runtime.links import Ring
 from cerar.comm.runtime.stats import CommStats
 
-__all__ = ["CodecClock", "run_ring"]
+__all__ = ["CodecClock", "finish", "run_ring"]
 
 
 def run_ring(
@@ -104,13 +104,23 @@ def run_ring(
             pieces.append(Piece(out, arrived, prepare, None, landed))
         rounds.append(pieces)
     run_program(ring, stats, Program(rounds, flat.device))
+    return finish(flat, padded, residual, scale_exponent, stats, clock)
+
+
+def finish(
+    flat: torch.Tensor, padded: torch.Tensor, residual: torch.Tensor | None, scale_exponent: int,
+    stats: CommStats, clock: CodecClock | None,
+) -> torch.Tensor:  # fmt: skip
+    """A shape's last steps (the ring's and the direct one's): the codec's time and the memory
+    held into ``stats``, the prescale undone on the values and the residual, the values written
+    back into ``flat``."""
     if clock is not None:
         clock.add_to(stats)
     scale_by_power_of_two(padded, scale_exponent)
     if residual is not None:
         scale_by_power_of_two(residual, scale_exponent)
     if padded is not flat:
-        flat.copy_(padded[:d])
+        flat.copy_(padded[: flat.numel()])
     extra = WORKSPACE.held_bytes + (0 if residual is None else residual.numel() * residual.element_size())
     stats.peak_extra_bytes = max(stats.peak_extra_bytes, extra)
     return flat
