@@ -12,6 +12,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from wire_data import same_bits as _same
+from wire_data import scaled_input as _input
 
 import cerar
 from cerar.coding.blocks import SCALE_ITEMSIZE, BlockFormat, direct_round_trip
@@ -38,16 +40,6 @@ CASES = [
 ]
 #: The rows run through cerar.all_reduce.
 ROWS = ("ring-int3", "ring-int2", "direct-int3", "direct-int2")
-
-
-def _input(rank: int, d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    return torch.randn(d, generator=g) * torch.exp2(torch.randint(-6, 6, (d,), generator=g).float())
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    a, b = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
-    return a.shape == b.shape and bool(((a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))).all())
 
 
 def _shapes_worker(rank: int, world: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]]:
